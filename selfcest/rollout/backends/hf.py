@@ -1,0 +1,226 @@
+"""HFBackend: generation with a transformers causal LM, batched across concurrent requests.
+
+Requests that are pending at the same time (the branches of every tree in the batch that
+wait for tokens) are decoded together: one left-padded prefill, then one forward pass per
+step for all of them. Each row stops on its own stop tokens or its own ``max_tokens``, and
+finished rows leave the batch (and the KV cache) at once, so short branches cost nothing
+while long ones finish.
+
+Sampling draws each row's token with the row's own seeded generator, so a request's tokens
+do not depend on what else was batched with it (up to floating-point effects of padding).
+
+Simplification: requests that arrive while a batch is decoding wait for the next batch
+(no continuous batching); at the tree sizes this backend serves, the engine's waves keep
+batches full. vLLM is the engine for continuous batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from selfcest.rollout.backends.base import Completion, SamplingParams
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    sampling: SamplingParams
+    seed: int
+    future: asyncio.Future
+
+
+class HFBackend:
+    """Token-in/token-out generation with a (possibly training) transformers model.
+
+    The backend reads the model object it was given, so after an optimizer step on that
+    same object `sync_weights` only has to bump the version.
+    """
+
+    def __init__(self, model, pad_token_id: int, max_batch_size: int = 64) -> None:
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.weight_version = 0
+        self._pending: list[_Request] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        # Counters for benchmarks and logs.
+        self.forward_passes = 0
+        self.batches = 0
+
+    # ------------------------------------------------------------------ async front
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        stop_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+    ) -> Completion:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        loop = asyncio.get_running_loop()
+        self._ensure_worker(loop)
+        request = _Request(list(prompt_ids), max_tokens, frozenset(stop_token_ids), sampling,
+                           seed, loop.create_future())
+        self._pending.append(request)
+        self._wakeup.set()
+        return await request.future
+
+    def _ensure_worker(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is not loop or self._worker is None or self._worker.done():
+            self._loop = loop
+            self._pending = []
+            self._wakeup = asyncio.Event()
+            self._worker = loop.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            # Let every coroutine that is ready run up to its own request first, so that all
+            # branches waiting at this moment share the batch (deterministic: asyncio runs
+            # ready callbacks in FIFO order).
+            seen = -1
+            while seen != len(self._pending):
+                seen = len(self._pending)
+                await asyncio.sleep(0)
+            batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
+            if not self._pending:
+                self._wakeup.clear()
+            live = [r for r in batch if not r.future.cancelled()]
+            if not live:
+                continue
+            try:
+                completions = self.generate_batch(live)
+            except Exception as error:  # fail these requests, keep serving others
+                for request in live:
+                    if not request.future.done():
+                        request.future.set_exception(error)
+                continue
+            for request, completion in zip(live, completions):
+                if not request.future.done():
+                    request.future.set_result(completion)
+
+    # ------------------------------------------------------------------ decoding
+
+    @torch.inference_mode()
+    def generate_batch(self, requests: Sequence[_Request]) -> list[Completion]:
+        """Decode several requests together; one forward pass per step for all live rows."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            return self._decode(requests)
+        finally:
+            model.train(was_training)
+
+    def _decode(self, requests: Sequence[_Request]) -> list[Completion]:
+        model = self.model
+        device = next(model.parameters()).device
+        width = max(len(r.prompt_ids) for r in requests)
+        input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(requests), width), dtype=torch.long)
+        for row, request in enumerate(requests):
+            input_ids[row, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
+            attention[row, width - len(request.prompt_ids):] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        generators = [torch.Generator().manual_seed(r.seed) for r in requests]
+        tokens: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        finish: list[str] = ["length"] * len(requests)
+        live = list(range(len(requests)))  # request index of each batch row
+        cache = DynamicCache(config=model.config)
+        cache_arg = cache_argument(model)
+        self.batches += 1
+        while True:
+            out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                        use_cache=True, logits_to_keep=1, **{cache_arg: cache})
+            self.forward_passes += 1
+            logits = out.logits[:, -1, :].float()
+            drawn, drawn_logprobs = sample_rows(
+                logits, [requests[i].sampling for i in live], [generators[i] for i in live]
+            )
+            keep_rows = []
+            next_tokens = []
+            for row, index in enumerate(live):
+                token = drawn[row]
+                tokens[index].append(token)
+                logprobs[index].append(drawn_logprobs[row])
+                if token in requests[index].stop_token_ids:
+                    finish[index] = "stop"
+                elif len(tokens[index]) < requests[index].max_tokens:
+                    keep_rows.append(row)
+                    next_tokens.append(token)
+            if not keep_rows:
+                break
+            if len(keep_rows) < len(live):
+                keep = torch.tensor(keep_rows, device=device)
+                cache.batch_select_indices(keep)
+                attention, positions = attention[keep], positions[keep]
+                live = [live[row] for row in keep_rows]
+            input_ids = torch.tensor(next_tokens, device=device).unsqueeze(1)
+            attention = torch.cat([attention, attention.new_ones((len(live), 1))], dim=1)
+            positions = positions[:, -1:] + 1
+        return [
+            Completion(tokens[i], logprobs[i], finish[i], self.weight_version)
+            for i in range(len(requests))
+        ]
+
+    def sync_weights(self, model=None) -> None:
+        """Serve ``model``'s weights (load them if it is another object); bump the version."""
+        if model is not None and model is not self.model:
+            self.model.load_state_dict(model.state_dict())
+        self.weight_version += 1
+
+
+def cache_argument(model) -> str:
+    """Name of the KV-cache keyword: ``cache`` in newer transformers, ``past_key_values`` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
+def sample_rows(
+    logits: torch.Tensor, samplings: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> tuple[list[int], list[float]]:
+    """Draw one token per row of ``logits`` [rows, vocab]; return tokens and their logprobs.
+
+    Each row uses its own sampling parameters and generator (inverse-CDF sampling with one
+    uniform draw per row). Logprobs follow `SamplingParams`: ``log_softmax(logits / T)``
+    before top-k/top-p truncation; greedy rows report temperature-1 logprobs.
+    """
+    temperature = torch.tensor([s.temperature or 1.0 for s in samplings], device=logits.device)
+    logp = torch.log_softmax(logits / temperature[:, None], dim=-1)
+    probs = logp.exp()
+    vocab = probs.shape[-1]
+    top_k = torch.tensor([s.top_k or vocab for s in samplings], device=logits.device)
+    top_p = torch.tensor([s.top_p for s in samplings], device=logits.device)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    if (top_k < vocab).any() or (top_p < 1).any():
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        # Keep the top_k most likely tokens and the smallest prefix whose mass reaches top_p
+        # (the most likely token always stays).
+        drop = (ranks >= top_k[:, None]) | (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None])
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    cdf = sorted_probs.cumsum(-1)
+    uniform = torch.stack([torch.rand((), generator=g) for g in generators]).to(logits.device)
+    ranks = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
+    tokens = order.gather(1, ranks).squeeze(1)
+    greedy = torch.tensor([s.greedy for s in samplings], device=logits.device)
+    if greedy.any():
+        tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    return tokens.tolist(), chosen.tolist()

@@ -1,0 +1,264 @@
+"""RolloutEngine: expands every clone tree of a batch at once, asynchronously.
+
+Each node is one coroutine. It generates until the spawn-close token, EOS or a budget; on a
+spawn call it starts its clones as concurrent coroutines, waits for all of them, injects
+their answers and resumes. All nodes of all trees are in flight together, so the backend
+sees (and batches) every branch that is waiting for tokens at the same moment.
+
+Budgets are enforced before each backend call (see `selfcest.budget`); every way a spawn
+can fail (malformed call, depth, rounds, clone caps, unknown context keys, an overlong clone
+prompt, an exhausted pool, a crashed clone) becomes an error entry the parent reads, never
+an exception that takes the batch down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from selfcest.budget import Allowance, Budget, clone_allowance, clone_pools
+from selfcest.protocol import CloneResult, Protocol, ProtocolError, SpawnRequest, resolve_keys
+from selfcest.rollout.backends.base import Backend, SamplingParams
+from selfcest.tasks.base import Task
+from selfcest.tree import CloneTree, Node, Segment, Spawn
+
+
+@dataclass
+class _TreeRun:
+    """Mutable bookkeeping of one tree while it is being expanded."""
+
+    tree: CloneTree
+    task: Task
+    clones: int = 0
+    allowances: dict[str, Allowance] = field(default_factory=dict)
+
+
+class RolloutEngine:
+    """Samples clone trees for tasks through a `Backend`, under a `Budget`."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        protocol: Protocol,
+        budget: Budget | None = None,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+        call_timeout_s: float | None = None,
+    ) -> None:
+        self.backend = backend
+        self.protocol = protocol
+        self.budget = budget or Budget()
+        self.sampling = sampling or SamplingParams()
+        self.seed = seed
+        self.call_timeout_s = call_timeout_s
+
+    def rollout(self, tasks: Sequence[Task], samples_per_task: int = 1) -> list[CloneTree]:
+        """Sample ``samples_per_task`` trees per task; trees come back grouped by task.
+
+        Works inside a running event loop too (a notebook): the rollout then runs on a
+        worker thread with its own loop.
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.arollout(tasks, samples_per_task))
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(asyncio.run, self.arollout(tasks, samples_per_task)).result()
+
+    async def arollout(self, tasks: Sequence[Task], samples_per_task: int = 1) -> list[CloneTree]:
+        runs = [
+            self._new_run(task, task_index, sample)
+            for task_index, task in enumerate(tasks)
+            for sample in range(samples_per_task)
+        ]
+        await asyncio.gather(*(self._run_root(run) for run in runs))
+        return [run.tree for run in runs]
+
+    # ------------------------------------------------------------------ tree level
+
+    def _new_run(self, task: Task, task_index: int, sample: int) -> _TreeRun:
+        tree = CloneTree(task_id=task.id, task_index=task_index, sample_index=sample)
+        return _TreeRun(tree=tree, task=task)
+
+    async def _run_root(self, run: _TreeRun) -> None:
+        budget = self.budget
+        root = run.tree.add(
+            Node(id=CloneTree.ROOT_ID, parent_id=None, depth=0, objective=None,
+                 prompt_ids=self.protocol.root_prompt(run.task))
+        )
+        allowance = Allowance(cap=budget.node_generation, pool=budget.tree_generation)
+        if len(root.prompt_ids) >= budget.node_context:
+            root.finish_reason = "error"
+            root.error = (
+                f"root prompt of {len(root.prompt_ids)} tokens does not fit the context budget "
+                f"(budget.node_context = {budget.node_context})"
+            )
+            return
+        await self._run_node(run, root, allowance)
+
+    # ------------------------------------------------------------------ node level
+
+    async def _run_node(self, run: _TreeRun, node: Node, allowance: Allowance) -> None:
+        """Generate, spawn and resume until the node ends; never raises (but on cancel)."""
+        node.generation_budget = allowance.cap
+        calls = 0
+        try:
+            while True:
+                max_tokens = allowance.max_tokens(node.context_length, self.budget.node_context)
+                if max_tokens == 0:
+                    node.finish_reason = "budget"
+                    break
+                completion = await self._generate(run, node, calls, max_tokens)
+                calls += 1
+                self._check_version(run.tree, node, completion.weight_version)
+                allowance.spend(len(completion.token_ids))
+                node.segments.append(
+                    Segment("sampled", list(completion.token_ids), list(completion.logprobs),
+                            self.protocol.decode(completion.token_ids))
+                )
+                ends_call = (
+                    completion.finish_reason == "stop"
+                    and completion.token_ids[-1] == self.protocol.spawn_stop_id
+                )
+                if not ends_call:
+                    node.finish_reason = "eos" if completion.finish_reason == "stop" else "budget"
+                    break
+                await self._spawn(run, node, allowance)
+                if node.finish_reason != "running":
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a failing backend call fails this node, not the batch
+            node.finish_reason = "error"
+            node.error = f"{type(error).__name__}: {error}"[:300]
+        node.answer = self._final_answer(node)
+
+    async def _generate(self, run: _TreeRun, node: Node, call: int, max_tokens: int):
+        request = self.backend.generate(
+            node.context_ids(),
+            max_tokens=max_tokens,
+            stop_token_ids=self.protocol.stop_token_ids,
+            sampling=self.sampling,
+            seed=self._seed(run.tree, node.id, call),
+        )
+        if self.call_timeout_s is None:
+            return await request
+        return await asyncio.wait_for(request, self.call_timeout_s)
+
+    def _seed(self, tree: CloneTree, node_id: str, call: int) -> int:
+        """A per-call seed that does not depend on what else the backend batches with it."""
+        key = f"{self.seed}:{tree.task_index}:{tree.sample_index}:{node_id}:{call}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+    @staticmethod
+    def _check_version(tree: CloneTree, node: Node, version: int) -> None:
+        if tree.weight_version is None:
+            tree.weight_version = version
+        if version != tree.weight_version:
+            raise RuntimeError(
+                f"weights changed during the rollout (version {tree.weight_version} -> {version})"
+            )
+        node.weight_version = version
+
+    def _final_answer(self, node: Node) -> str:
+        last: list[int] = []
+        for segment in node.segments:
+            last = last + segment.token_ids if segment.trainable else []
+        return self.protocol.answer_of(last)
+
+    # ------------------------------------------------------------------ spawning
+
+    async def _spawn(self, run: _TreeRun, node: Node, allowance: Allowance) -> None:
+        """Handle the spawn call that ends the node's last segment, then inject the results."""
+        spawn = Spawn(segment_index=len(node.segments) - 1, child_ids=[])
+        node.spawns.append(spawn)
+        parsed = self.protocol.parse(node.segments[-1].token_ids)
+        if isinstance(parsed, ProtocolError):
+            spawn.errors.append(parsed.reason)
+            self._inject(node, [CloneResult(error=parsed.reason)], kind="notice")
+            return
+        verdicts = self._admit(run, node, parsed)
+        accepted = [(i, req, prompt) for i, (req, prompt, error) in enumerate(verdicts) if not error]
+        pools = clone_pools(allowance.pool_left, [req.max_tokens for _, req, _ in accepted])
+        results: list[CloneResult | None] = [
+            None if error is None else CloneResult(error=error) for _, _, error in verdicts
+        ]
+        children = []
+        for (i, request, prompt), pool in zip(accepted, pools):
+            if pool < 1:
+                results[i] = CloneResult(error="the tree's generation budget is exhausted")
+                continue
+            child = run.tree.add(
+                Node(id=f"{node.id}.{len(node.children)}", parent_id=node.id,
+                     depth=node.depth + 1, objective=request.objective, prompt_ids=prompt,
+                     context_keys=resolve_keys(request.context_keys, run.task.context)[0])
+            )
+            spawn.child_ids.append(child.id)
+            child_allowance = clone_allowance(pool, request.max_tokens, self.budget.node_generation)
+            run.clones += 1
+            children.append((i, child, pool, child_allowance))
+        allowance.lend([pool for _, _, pool, _ in children])
+        await asyncio.gather(*(self._run_node(run, c, a) for _, c, _, a in children))
+        for i, child, pool, child_allowance in children:
+            allowance.settle(pool, child_allowance)
+            results[i] = self._result_of(child)
+        spawn.errors.extend(r.error for r in results if r.error is not None)
+        self._inject(node, results, kind="return")
+
+    def _admit(self, run: _TreeRun, node: Node, requests: list[SpawnRequest]):
+        """Pair each request with its clone prompt, or with the reason it is refused."""
+        budget = self.budget
+        if node.depth >= budget.max_depth:
+            reason = (
+                "spawning is disabled" if budget.max_depth == 0
+                else f"maximum clone depth {budget.max_depth} reached"
+            )
+            return [(req, None, reason) for req in requests]
+        if len(node.spawns) > budget.spawn_rounds:
+            reason = f"at most {budget.spawn_rounds} spawn calls per agent"
+            return [(req, None, reason) for req in requests]
+        verdicts = []
+        admitted = 0
+        for n, request in enumerate(requests):
+            _, missing = resolve_keys(request.context_keys, run.task.context)
+            prompt = None
+            if n >= budget.clones_per_spawn:
+                reason = f"at most {budget.clones_per_spawn} clones per spawn call"
+            elif run.clones + admitted >= budget.clones_per_tree:
+                reason = f"at most {budget.clones_per_tree} clones per tree"
+            elif missing:
+                known = ", ".join(sorted(run.task.context)[:20]) or "none"
+                reason = f"unknown context key(s) {', '.join(missing)} (known: {known})"
+            else:
+                prompt = self.protocol.clone_prompt(request, run.task.context)
+                reason = None
+                if len(prompt) >= budget.node_context:
+                    reason = (
+                        f"clone prompt of {len(prompt)} tokens exceeds the context budget "
+                        f"of {budget.node_context}"
+                    )
+                    prompt = None
+                else:
+                    admitted += 1
+            verdicts.append((request, prompt, reason))
+        return verdicts
+
+    @staticmethod
+    def _result_of(child: Node) -> CloneResult:
+        if child.finish_reason == "error":
+            return CloneResult(error=f"clone failed ({child.error})")
+        if not child.answer:
+            return CloneResult(error="clone ran out of budget without an answer")
+        return CloneResult(answer=child.answer)
+
+    def _inject(self, node: Node, results: list[CloneResult], kind: str) -> None:
+        # Keep one token of context free so the parent can always continue after the results.
+        room = self.budget.node_context - node.context_length - 1
+        ids = self.protocol.render_results(results, room, self.budget.return_tokens)
+        if ids is None:
+            node.finish_reason = "budget"
+            return
+        node.segments.append(Segment(kind, ids, None, self.protocol.decode(ids)))
