@@ -16,11 +16,14 @@ class BudgetError(ValueError):
     """An impossible budget configuration."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Budget:
-    """Every limit that applies to one clone tree."""
+    """Every limit that applies to one clone tree (validated on construction)."""
 
     node_generation: int = 256  # tokens one node may generate over all its turns
+    # Tokens one clone may generate, if clones get less than the root (the paper code: root
+    # 4096, clones 1024); 0 means node_generation.
+    clone_generation: int = 0
     node_context: int = 1024  # tokens one node's context may hold (prompt + all segments)
     tree_generation: int = 2048  # tokens all nodes of a tree may generate together
     max_depth: int = 1  # deepest clone level; 0 disables spawning, 1 lets only the root spawn
@@ -34,7 +37,7 @@ class Budget:
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise BudgetError(f"budget.{f.name} must be an integer, got {value!r}")
-            minimum = 0 if f.name in ("max_depth", "clones_per_tree", "spawn_rounds") else 1
+            minimum = 0 if f.name in ("max_depth", "clones_per_tree", "spawn_rounds", "clone_generation") else 1
             if value < minimum:
                 raise BudgetError(f"budget.{f.name} must be >= {minimum}, got {value}")
         if self.node_generation > self.tree_generation:
@@ -43,6 +46,11 @@ class Budget:
                 f"budget.tree_generation ({self.tree_generation}): raise tree_generation "
                 "or lower node_generation"
             )
+
+    @property
+    def clone_cap(self) -> int:
+        """Own-generation cap of a clone before any parent request."""
+        return min(self.clone_generation or self.node_generation, self.node_generation)
 
     @property
     def spawning(self) -> bool:
@@ -102,9 +110,9 @@ def clone_pools(pool_left: int, requested: list[int | None]) -> list[int]:
     return [share if r is None else min(r, share) for r in requested]
 
 
-def clone_allowance(pool: int, requested: int | None, node_generation: int) -> Allowance:
-    """A clone's allowance: its own generation capped by the request and `node_generation`."""
-    cap = node_generation if requested is None else min(requested, node_generation)
+def clone_allowance(pool: int, requested: int | None, clone_cap: int) -> Allowance:
+    """A clone's allowance: its own generation capped by the request and ``clone_cap``."""
+    cap = clone_cap if requested is None else min(requested, clone_cap)
     return Allowance(cap=min(cap, pool), pool=pool)
 
 

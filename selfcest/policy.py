@@ -65,8 +65,9 @@ SIZES = {
 }
 
 
-def build_tokenizer(vocab_size: int = 2048, extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained in memory (digits stay single tokens)."""
+def build_tokenizer(vocab_size: int = 2048, protocol_tokens: bool = True) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained in memory (digits stay single tokens), with the
+    ChatML tokens and, unless ``protocol_tokens=False``, both protocols' special tokens."""
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -86,8 +87,9 @@ def build_tokenizer(vocab_size: int = 2048, extra_tokens: tuple[str, ...] = ()) 
         unk_token=None,
         chat_template=CHAT_TEMPLATE,
     )
-    protocol_tokens = TokenProtocol.required_tokens + ToolCallProtocol.required_tokens + extra_tokens
-    tokenizer.add_special_tokens({"additional_special_tokens": list(protocol_tokens)})
+    if protocol_tokens:
+        extra = TokenProtocol.required_tokens + ToolCallProtocol.required_tokens
+        tokenizer.add_special_tokens({"additional_special_tokens": list(extra)})
     return tokenizer
 
 
@@ -98,7 +100,8 @@ class LoraSettings:
     r: int = 16  # rank
     alpha: int = 32  # scaling numerator (scale = alpha / r)
     dropout: float = 0.0
-    target_modules: str | list[str] = "all-linear"
+    # "all-linear", or a regular expression over module names (peft's target_modules).
+    target_modules: str = "all-linear"
 
 
 class ClonePolicy:
@@ -273,10 +276,14 @@ def add_protocol_tokens(model, tokenizer, tokens: tuple[str, ...]) -> list[str]:
     pieces = {t: tokenizer.encode(t, add_special_tokens=False) for t in missing}
     tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    embeddings = model.get_input_embeddings().weight
+    tables = [model.get_input_embeddings().weight]
+    output = model.get_output_embeddings()
+    if output is not None and output.weight.data_ptr() != tables[0].data_ptr():
+        tables.append(output.weight)  # untied head: its new rows need the same start
     with torch.no_grad():
-        for token, ids in pieces.items():
-            embeddings[tokenizer.convert_tokens_to_ids(token)] = embeddings[ids].mean(0)
+        for table in tables:
+            for token, ids in pieces.items():
+                table[tokenizer.convert_tokens_to_ids(token)] = table[ids].mean(0)
     return missing
 
 

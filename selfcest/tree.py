@@ -56,8 +56,11 @@ class Spawn:
     segment_index: int
     # Ids of the clones that ran, in objective order.
     child_ids: list[str]
-    # One human-readable reason per rejected objective (or per malformed call).
+    # One human-readable reason per refused objective (or one for a malformed call).
     errors: list[str] = field(default_factory=list)
+    # One entry per objective, in order: the clone's id, or "" where the objective was
+    # refused (its reason is the next entry of `errors`). Lets the results be re-rendered.
+    slots: list[str] = field(default_factory=list)
 
 
 @dataclass

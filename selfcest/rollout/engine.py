@@ -17,7 +17,7 @@ import asyncio
 import hashlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from selfcest.budget import Allowance, Budget, clone_allowance, clone_pools
 from selfcest.protocol import CloneResult, Protocol, ProtocolError, SpawnRequest, resolve_keys
@@ -33,7 +33,11 @@ class _TreeRun:
     tree: CloneTree
     task: Task
     clones: int = 0
-    allowances: dict[str, Allowance] = field(default_factory=dict)
+    # Mixed into every sampling seed, so re-runs of a tree draw fresh samples.
+    salt: str = ""
+
+
+NULL_RESULT = CloneResult(error="no result")
 
 
 class RolloutEngine:
@@ -61,12 +65,7 @@ class RolloutEngine:
         Works inside a running event loop too (a notebook): the rollout then runs on a
         worker thread with its own loop.
         """
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.arollout(tasks, samples_per_task))
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            return pool.submit(asyncio.run, self.arollout(tasks, samples_per_task)).result()
+        return _run_sync(self.arollout(tasks, samples_per_task))
 
     async def arollout(self, tasks: Sequence[Task], samples_per_task: int = 1) -> list[CloneTree]:
         runs = [
@@ -76,6 +75,44 @@ class RolloutEngine:
         ]
         await asyncio.gather(*(self._run_root(run) for run in runs))
         return [run.tree for run in runs]
+
+    def rerun_without(self, tree: CloneTree, task: Task, clone_id: str, samples: int) -> list[CloneTree]:
+        """Counterfactual re-runs: the root resumes from the spawn call that started
+        ``clone_id`` (a depth-1 clone), reading a null result in its place, ``samples`` times.
+
+        Everything before the spawn point is kept as it was (the root's tokens, the other
+        clones of that wave and of earlier waves); what follows is sampled afresh.
+        """
+        return _run_sync(self._rerun_without(tree, task, clone_id, samples))
+
+    async def _rerun_without(self, tree, task, clone_id, samples) -> list[CloneTree]:
+        clone = tree.nodes[clone_id]
+        if clone.parent_id != CloneTree.ROOT_ID:
+            raise ValueError(f"counterfactual re-runs replace depth-1 clones; {clone_id} is deeper")
+        wave = next(w for w, spawn in enumerate(tree.root.spawns) if clone_id in spawn.child_ids)
+        copies, runs = [], []
+        for k in range(samples):
+            copy = CloneTree.from_dict(tree.to_dict())
+            copy.reward = copy.correct = copy.node_rewards = None
+            copy.info = {"counterfactual_of": clone_id}
+            root = copy.root
+            spawn = root.spawns[wave]
+            root.segments = root.segments[: spawn.segment_index + 1]
+            root.spawns = root.spawns[: wave + 1]
+            kept = [c for s in root.spawns for c in s.child_ids]
+            copy.nodes = {
+                n: node for n, node in copy.nodes.items()
+                if n == CloneTree.ROOT_ID or any(n == c or n.startswith(c + ".") for c in kept)
+            }
+            root.finish_reason, root.answer, root.error = "running", "", None
+            allowance = Allowance(cap=self.budget.node_generation, pool=self.budget.tree_generation,
+                                  own=root.generated_tokens,
+                                  descendants=sum(n.generated_tokens for n in copy.clones()))
+            run = _TreeRun(tree=copy, task=task, clones=len(copy.clones()), salt=f"cf:{clone_id}:{k}")
+            copies.append(copy)
+            runs.append(self._run_node(run, root, allowance, self._results(copy, spawn, clone_id)))
+        await asyncio.gather(*runs)
+        return copies
 
     # ------------------------------------------------------------------ tree level
 
@@ -101,12 +138,24 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ node level
 
-    async def _run_node(self, run: _TreeRun, node: Node, allowance: Allowance) -> None:
-        """Generate, spawn and resume until the node ends; never raises (but on cancel)."""
-        node.generation_budget = allowance.cap
-        calls = 0
+    async def _run_node(
+        self,
+        run: _TreeRun,
+        node: Node,
+        allowance: Allowance,
+        pending: list[CloneResult] | None = None,
+    ) -> None:
+        """Generate, spawn and resume until the node ends; never raises (but on cancel).
+
+        ``pending`` results are injected first: a node resumed right after a spawn call.
+        """
+        if node.generation_budget is None:
+            node.generation_budget = allowance.cap
+        calls = sum(1 for segment in node.segments if segment.trainable)
         try:
-            while True:
+            if pending is not None:
+                self._inject(node, pending, kind="return")
+            while node.finish_reason == "running":
                 max_tokens = allowance.max_tokens(node.context_length, self.budget.node_context)
                 if max_tokens == 0:
                     node.finish_reason = "budget"
@@ -127,8 +176,6 @@ class RolloutEngine:
                     node.finish_reason = "eos" if completion.finish_reason == "stop" else "budget"
                     break
                 await self._spawn(run, node, allowance)
-                if node.finish_reason != "running":
-                    break
         except asyncio.CancelledError:
             raise
         except Exception as error:  # a failing backend call fails this node, not the batch
@@ -142,15 +189,16 @@ class RolloutEngine:
             max_tokens=max_tokens,
             stop_token_ids=self.protocol.stop_token_ids,
             sampling=self.sampling,
-            seed=self._seed(run.tree, node.id, call),
+            seed=self._seed(run, node.id, call),
         )
         if self.call_timeout_s is None:
             return await request
         return await asyncio.wait_for(request, self.call_timeout_s)
 
-    def _seed(self, tree: CloneTree, node_id: str, call: int) -> int:
+    def _seed(self, run: _TreeRun, node_id: str, call: int) -> int:
         """A per-call seed that does not depend on what else the backend batches with it."""
-        key = f"{self.seed}:{tree.task_index}:{tree.sample_index}:{node_id}:{call}".encode()
+        tree = run.tree
+        key = f"{self.seed}:{tree.task_index}:{tree.sample_index}:{node_id}:{call}:{run.salt}".encode()
         return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
     @staticmethod
@@ -178,18 +226,17 @@ class RolloutEngine:
         parsed = self.protocol.parse(node.segments[-1].token_ids)
         if isinstance(parsed, ProtocolError):
             spawn.errors.append(parsed.reason)
+            spawn.slots.append("")
             self._inject(node, [CloneResult(error=parsed.reason)], kind="notice")
             return
         verdicts = self._admit(run, node, parsed)
         accepted = [(i, req, prompt) for i, (req, prompt, error) in enumerate(verdicts) if not error]
         pools = clone_pools(allowance.pool_left, [req.max_tokens for _, req, _ in accepted])
-        results: list[CloneResult | None] = [
-            None if error is None else CloneResult(error=error) for _, _, error in verdicts
-        ]
+        refusals = [error for _, _, error in verdicts]
         children = []
         for (i, request, prompt), pool in zip(accepted, pools):
             if pool < 1:
-                results[i] = CloneResult(error="the tree's generation budget is exhausted")
+                refusals[i] = "the tree's generation budget is exhausted"
                 continue
             child = run.tree.add(
                 Node(id=f"{node.id}.{len(node.children)}", parent_id=node.id,
@@ -197,16 +244,33 @@ class RolloutEngine:
                      context_keys=resolve_keys(request.context_keys, run.task.context)[0])
             )
             spawn.child_ids.append(child.id)
-            child_allowance = clone_allowance(pool, request.max_tokens, self.budget.node_generation)
+            child_allowance = clone_allowance(pool, request.max_tokens, self.budget.clone_cap)
             run.clones += 1
             children.append((i, child, pool, child_allowance))
+        child_at = {i: child for i, child, _, _ in children}
+        for i, refusal in enumerate(refusals):
+            spawn.slots.append(child_at[i].id if i in child_at else "")
+            if i not in child_at:
+                spawn.errors.append(refusal)
         allowance.lend([pool for _, _, pool, _ in children])
         await asyncio.gather(*(self._run_node(run, c, a) for _, c, _, a in children))
-        for i, child, pool, child_allowance in children:
+        for _, child, pool, child_allowance in children:
             allowance.settle(pool, child_allowance)
-            results[i] = self._result_of(child)
-        spawn.errors.extend(r.error for r in results if r.error is not None)
-        self._inject(node, results, kind="return")
+        self._inject(node, self._results(run.tree, spawn), kind="return")
+
+    def _results(self, tree: CloneTree, spawn: Spawn, nulled: str | None = None) -> list[CloneResult]:
+        """What the parent reads after ``spawn``, in objective order (``nulled``: that clone's
+        answer replaced by a null result)."""
+        errors = iter(spawn.errors)
+        results = []
+        for slot in spawn.slots:
+            if not slot:
+                results.append(CloneResult(error=next(errors)))
+            elif slot == nulled:
+                results.append(NULL_RESULT)
+            else:
+                results.append(self._result_of(tree.nodes[slot]))
+        return results
 
     def _admit(self, run: _TreeRun, node: Node, requests: list[SpawnRequest]):
         """Pair each request with its clone prompt, or with the reason it is refused."""
@@ -262,3 +326,14 @@ class RolloutEngine:
             node.finish_reason = "budget"
             return
         node.segments.append(Segment(kind, ids, None, self.protocol.decode(ids)))
+
+
+def _run_sync(coroutine):
+    """Run a coroutine to completion, also from inside a running event loop (a notebook):
+    then on a worker thread with its own loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()

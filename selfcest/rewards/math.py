@@ -1,0 +1,242 @@
+"""Math reward: the root's final answer against the reference, by math-verify.
+
+The answer is read from the root's **final turn only** (`final_turn_text`), never from
+earlier turns (which hold spawn calls and reasoning): of the last ``\\boxed{...}`` and the
+last ``Answer:`` line, whichever comes later; without either, the last non-empty line.
+
+Comparison (`math_score`):
+
+1. An integer reference (``"1,234"``, ``"80"``) and an answer written as a plain integer
+   (commas as thousands separators, optional ``$...$`` or a trailing period) are compared
+   as Python integers, in process.
+2. Everything else goes to math-verify (`math_verify.parse` / `verify`) in a worker process
+   (`MathVerifier`). The answer is read twice, as written and wrapped in ``\\boxed{}`` (so a
+   bare ``3\\sqrt2`` or ``\\dfrac{1}{2}`` is read as LaTeX); it is correct if either reading
+   verifies.
+
+Never hangs: answers over ``max_answer_chars`` characters are wrong without parsing; parsed
+values whose magnitude bound exceeds ``max_digits`` digits (``9^9^9^9``, ``(10^7)!``) are
+wrong without verifying; and any comparison that takes longer than ``timeout_s`` seconds is
+cut off by killing the worker (wrong, counted as ``math/timeout``). math-verify is always
+called with ``parsing_timeout=None`` and ``timeout_seconds=None``: its own timeouts rely on
+``signal.alarm`` and raise outside the main thread, so the worker's kill is the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from selfcest.protocol import ANSWER_MARKER
+from selfcest.rewards.base import TaskScore
+from selfcest.rewards.compose import ComposedReward
+from selfcest.rewards.cost import MATH_REFERENCE_COST, CostConfig
+from selfcest.tasks.base import Task
+from selfcest.tasks.math import last_boxed
+
+logger = logging.getLogger(__name__)
+
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_INTEGER = re.compile(r"[-−+]?(?:\d{1,3}(?:,\d{3})+|\d+)")
+
+
+def math_answer(text: str) -> str:
+    """The answer written in a final turn (see the module docstring for the rule)."""
+    boxes = list(_BOX.finditer(text))
+    markers = list(ANSWER_MARKER.finditer(text))
+    box_at = boxes[-1].start() if boxes else -1
+    marker_at = markers[-1].end() if markers else -1
+    if marker_at > box_at:
+        line = next((ln.strip() for ln in text[marker_at:].splitlines() if ln.strip()), "")
+        boxed = last_boxed(line)
+        return boxed if boxed is not None else line
+    if boxes:
+        return last_boxed(text) or ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def as_integer(text: str) -> int | None:
+    """The integer ``text`` spells exactly (``"1,234"``, ``"$-5$"``, ``"80."``), else None."""
+    core = text.strip().strip("$").strip().rstrip(".").strip()
+    boxed = last_boxed(core) if core.startswith(("\\boxed", "\\fbox")) else None
+    if boxed is not None:
+        core = boxed.strip()
+    if not _INTEGER.fullmatch(core):
+        return None
+    return int(core.replace(",", "").replace("−", "-"))
+
+
+class MathVerifier:
+    """math-verify behind a worker process with a per-comparison wall-clock timeout.
+
+    Thread-safe (one comparison at a time; concurrent callers wait). The worker starts on the
+    first comparison (about a second of imports, not counted in ``timeout_s``), is killed when a
+    comparison times out or fails, and restarts on the next one; it is closed at exit.
+    """
+
+    def __init__(
+        self,
+        timeout_s: float = 5.0,
+        max_answer_chars: int = 1000,
+        max_digits: int = 100_000,
+        startup_timeout_s: float = 120.0,
+    ) -> None:
+        self.timeout_s = timeout_s  # seconds one comparison may take
+        self.max_answer_chars = max_answer_chars  # longer answers are wrong unparsed
+        self.max_digits = max_digits  # larger parsed values are wrong unverified
+        self.startup_timeout_s = startup_timeout_s  # seconds the worker may take to import
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen | None = None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self.restarts = 0  # workers killed after a timeout or a crash
+        weakref.finalize(self, _kill, self.__dict__)
+
+    def compare(self, prediction: str, gold: str) -> str:
+        """A verdict: ``equal``, ``different``, ``unparsed``, ``too_long``, ``too_large``,
+        ``gold_unparsed``, ``timeout`` or ``error`` (only ``equal`` is correct)."""
+        if len(prediction) > self.max_answer_chars:
+            return "too_long"
+        readings = [prediction]
+        if "$" not in prediction and not _BOX.search(prediction):
+            readings.insert(0, "\\boxed{" + prediction + "}")
+        if "$" not in gold and not _BOX.search(gold):
+            gold = "\\boxed{" + gold + "}"
+        request = {"predictions": readings, "gold": gold, "max_digits": self.max_digits}
+        with self._lock:
+            self._start()
+            try:
+                self._process.stdin.write(json.dumps(request) + "\n")
+                self._process.stdin.flush()
+                line = self._lines.get(timeout=self.timeout_s)
+            except queue.Empty:
+                logger.warning("math-verify took over %.1f s on %r; worker restarted",
+                               self.timeout_s, prediction[:80])
+                self._restart()
+                return "timeout"
+            except OSError as error:  # the worker died between comparisons
+                logger.warning("math-verify worker lost (%s); restarting", error)
+                self._restart()
+                return "error"
+            if line is None:
+                self._restart()
+                return "error"
+        response = json.loads(line)
+        if response["verdict"] == "error":
+            logger.warning("math-verify failed on %r: %s", prediction[:80], response.get("detail"))
+        return response["verdict"]
+
+    def close(self) -> None:
+        with self._lock:
+            _kill(self.__dict__)
+
+    def _start(self) -> None:
+        if self._process is not None:
+            return
+        # The package root goes on the worker's path so `-m` finds selfcest when it is used
+        # from a source checkout without being installed.
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "selfcest.rewards._math_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
+        self._lines = queue.Queue()
+        threading.Thread(
+            target=_pump, args=(self._process.stdout, self._lines), daemon=True
+        ).start()
+        try:
+            ready = self._lines.get(timeout=self.startup_timeout_s)
+        except queue.Empty:
+            ready = None
+        status = json.loads(ready) if ready else {"ready": False, "error": "no answer"}
+        if not status.get("ready"):
+            _kill(self.__dict__)
+            raise RuntimeError(f"the math-verify worker did not start: {status.get('error')}")
+
+    def _restart(self) -> None:
+        _kill(self.__dict__)
+        self.restarts += 1
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    """Forward the worker's stdout lines into a queue; None marks its end."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def _kill(state: dict[str, Any]) -> None:
+    """Stop a verifier's worker (takes the instance __dict__ so weakref.finalize can call it)."""
+    process = state.get("_process")
+    if process is None:
+        return
+    state["_process"] = None
+    process.kill()
+    process.wait()
+    for stream in (process.stdin, process.stdout):
+        try:
+            stream.close()
+        except OSError:
+            pass
+
+
+_shared: MathVerifier | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_verifier() -> MathVerifier:
+    """The process-wide default verifier (one worker process for all math rewards)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = MathVerifier()
+        return _shared
+
+
+@dataclass(frozen=True)
+class MathScorer:
+    """Task scorer for math answers: 1.0 if the final answer equals the reference, else 0.
+
+    ``info`` reports the verdict as ``math/<verdict>`` = 1.0 (e.g. ``math/timeout``), so
+    averaged over a batch it gives the rate of each outcome.
+    """
+
+    verifier: MathVerifier | None = field(default=None, compare=False)  # None: shared one
+
+    def __call__(self, text: str, task: Task) -> TaskScore:
+        answer = math_answer(text)
+        if not answer:
+            verdict = "empty"
+        else:
+            gold_int, answer_int = as_integer(task.answer), as_integer(answer)
+            if gold_int is not None and answer_int is not None:
+                verdict = "equal" if gold_int == answer_int else "different"
+            else:
+                verdict = (self.verifier or shared_verifier()).compare(answer, task.answer)
+        correct = verdict == "equal"
+        return TaskScore(float(correct), correct, {f"math/{verdict}": 1.0})
+
+
+def math_reward(
+    *, cost: CostConfig | dict | None = MATH_REFERENCE_COST, **options: Any
+) -> ComposedReward:
+    """The math reward: `MathScorer` minus ``cost`` (default: the reference math shaping,
+    ``max(0, s - min(P_root + P_clone, 0.5))``); ``options`` go to `ComposedReward`."""
+    return ComposedReward(MathScorer(), cost, **options)

@@ -1,0 +1,149 @@
+"""keyed_sum: a small synthetic long-context task for CPU experiments.
+
+The task holds ``num_keys`` lists of small numbers under keys ``L1 … Ln``. The root is asked
+for the total of all numbers but, by default, sees only the keys::
+
+    Add all numbers in L1 L2 L3 L4.
+
+and each key's numbers (``"3 5 2 7"``) live in `Task.context`, so they reach a clone only when
+the parent hands it the key (``@L2`` in the token protocol). A tiny model reads these prompts,
+so they are kept short and regular. With ``inline=True`` the numbers are printed in the
+prompt itself (for a monolithic baseline that reads everything in one context), in the same
+``[key] text`` layout clones get for an expanded key::
+
+    Add all numbers.
+    [L1] 3 5 2 7
+    [L2] 0 9 4 1
+
+The answer is the total as a decimal string; ``metadata["sums"]`` holds each key's sum (the
+answer a clone asked to sum one key should give).
+
+`keyed_sum_splits` gives disjoint in-distribution train/test splits and an
+out-of-distribution split (by default two more keys: 6 instead of 4).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from selfcest.protocol import context_block
+from selfcest.tasks.base import Task
+from selfcest.tasks.splits import TaskSplits, draw_distinct
+
+SOURCE = "keyed_sum"
+# A key must be referable as ``@KEY`` by the token protocol, so the prefix is a plain name.
+_PREFIX = re.compile(r"[A-Za-z_]+")
+
+
+@dataclass(frozen=True)
+class KeyedSumConfig:
+    """Difficulty knobs of keyed_sum."""
+
+    num_keys: int = 4  # number of lists (keys L1..Ln)
+    list_len: int = 4  # numbers per list
+    min_value: int = 0  # smallest number (inclusive)
+    max_value: int = 9  # largest number (inclusive); 99 gives two-digit numbers
+    inline: bool = False  # print the lists in the root prompt instead of keys only
+    key_prefix: str = "L"  # keys are f"{key_prefix}{i}", i = 1..num_keys
+
+    def __post_init__(self) -> None:
+        if self.num_keys < 1 or self.list_len < 1:
+            raise ValueError("num_keys and list_len must be at least 1")
+        if self.min_value > self.max_value:
+            raise ValueError(f"min_value {self.min_value} > max_value {self.max_value}")
+        if not _PREFIX.fullmatch(self.key_prefix):
+            raise ValueError(
+                f"key_prefix must be letters or underscores (a key is referenced as @KEY), "
+                f"got {self.key_prefix!r}"
+            )
+
+    def keys(self) -> list[str]:
+        return [f"{self.key_prefix}{i}" for i in range(1, self.num_keys + 1)]
+
+    def space_size(self) -> int:
+        """Number of distinct tasks this config can produce."""
+        return (self.max_value - self.min_value + 1) ** (self.num_keys * self.list_len)
+
+
+def keyed_sum_task(lists: list[list[int]], config: KeyedSumConfig, task_id: str) -> Task:
+    """The task whose key ``L{i}`` holds ``lists[i-1]``; see the module docstring for formats."""
+    keys = config.keys()
+    if len(lists) != len(keys):
+        raise ValueError(f"expected {len(keys)} lists, got {len(lists)}")
+    context = {key: " ".join(str(v) for v in values) for key, values in zip(keys, lists)}
+    if config.inline:
+        prompt = "Add all numbers.\n" + context_block(keys, context)
+    else:
+        prompt = f"Add all numbers in {' '.join(keys)}."
+    sums = {key: sum(values) for key, values in zip(keys, lists)}
+    return Task(
+        id=task_id,
+        prompt=prompt,
+        answer=str(sum(sums.values())),
+        context=context,
+        source=SOURCE,
+        metadata={"sums": sums, "config": asdict(config)},
+    )
+
+
+def _distinct_lists(
+    n: int, seed: int | str, config: KeyedSumConfig, seen: set
+) -> list[list[list[int]]]:
+    """``n`` draws of lists not in ``seen`` (updated), from ``random.Random(seed)``."""
+    if n > config.space_size():
+        raise ValueError(f"{config} has only {config.space_size()} distinct tasks, asked for {n}")
+
+    def draw(rng: random.Random) -> tuple[Any, list[list[int]]]:
+        lists = [
+            [rng.randint(config.min_value, config.max_value) for _ in range(config.list_len)]
+            for _ in range(config.num_keys)
+        ]
+        return tuple(tuple(values) for values in lists), lists
+
+    return draw_distinct(draw, random.Random(seed), n, seen, "keyed_sum tasks")
+
+
+def keyed_sum_tasks(
+    n: int, seed: int | str = 0, config: KeyedSumConfig | None = None, id_prefix: str = "keyed_sum"
+) -> list[Task]:
+    """``n`` distinct tasks drawn with ``random.Random(seed)``; ids ``{id_prefix}-{i}``."""
+    config = config or KeyedSumConfig()
+    drawn = _distinct_lists(n, seed, config, set())
+    return [keyed_sum_task(lists, config, f"{id_prefix}-{i}") for i, lists in enumerate(drawn)]
+
+
+def keyed_sum_splits(
+    seed: int = 0,
+    train: KeyedSumConfig | None = None,
+    ood: KeyedSumConfig | None = None,
+    n_train: int = 1000,
+    n_test: int = 200,
+    n_ood: int = 200,
+) -> TaskSplits:
+    """Train/test from ``train`` (default `KeyedSumConfig()`), OOD from ``ood``.
+
+    The default ``ood`` is ``train`` with two more keys (6 instead of 4: a longer context,
+    more to delegate). Deterministic for a seed. Train and test come from one seeded stream (the
+    first ``n_train`` distinct tasks are train, the next ``n_test`` test), OOD from a second
+    stream derived from the seed, so changing ``n_test`` or ``n_ood`` never changes the train
+    split. The three are disjoint: a task (its lists) never appears twice, even when ``ood``
+    equals ``train``. Ids: ``keyed_sum-{split}-{i}``.
+    """
+    train = train or KeyedSumConfig()
+    ood = ood or replace(train, num_keys=train.num_keys + 2)
+    seen: set = set()
+    in_dist = _distinct_lists(n_train + n_test, seed, train, seen)
+    # random.Random hashes a str seed with SHA-512, so this stream is stable across runs.
+    out_dist = _distinct_lists(n_ood, f"{seed}:ood", ood, seen)
+
+    def tasks(drawn: list, config: KeyedSumConfig, split: str) -> list[Task]:
+        return [keyed_sum_task(x, config, f"keyed_sum-{split}-{i}") for i, x in enumerate(drawn)]
+
+    return TaskSplits(
+        train=tasks(in_dist[:n_train], train, "train"),
+        test=tasks(in_dist[n_train:], train, "test"),
+        ood=tasks(out_dist, ood, "ood"),
+    )

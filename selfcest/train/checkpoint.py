@@ -1,0 +1,157 @@
+"""Checkpoints that resume a run exactly and load without unpickling anything.
+
+A checkpoint is a folder ``checkpoints/step_000004/`` holding:
+
+- ``model.safetensors``: the trainable parameters (all of them, or the LoRA adapter only);
+- ``optimizer.pt``, ``scheduler.pt``: state dicts (tensors and numbers only, loaded with
+  ``torch.load(weights_only=True)``); under data parallelism every rank holds the same
+  optimizer state, so rank 0's is saved;
+- ``rng_rank{r}.pt`` and ``state.json``: RNG states of every rank, the step, the data
+  position and the backend's weight version.
+
+It is written to ``step_000004.tmp`` and renamed when complete, so a run killed while
+saving leaves the previous checkpoint as the latest one.
+
+Simplification: sharded optimizers (FSDP, DeepSpeed ZeRO) save per-rank shards through
+accelerate (`Accelerator.save_state`) instead; resume then needs the same world size.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+@dataclass
+class TrainerState:
+    """Where a run stands: what `state.json` records."""
+
+    step: int  # training steps completed
+    epoch: int  # passes over the training tasks started
+    cursor: int  # position of the next task in this epoch's order
+    weight_version: int  # the backend's weight version after the last sync
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """The parameters the optimizer updates (shared tensors appear once)."""
+    return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(
+    root: str | Path,
+    state: TrainerState,
+    model,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier=lambda: None,
+    keep: int = 2,
+) -> Path:
+    """Write a checkpoint for ``state.step``; every rank calls this (rank 0 writes the model)."""
+    folder = Path(root) / CHECKPOINT_DIR / f"step_{state.step:06d}"
+    tmp = folder.with_name(folder.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        save_file(trainable_state(model), tmp / "model.safetensors")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / "state.json").write_text(
+            json.dumps({**asdict(state), "world_size": world_size}, indent=2)
+        )
+    barrier()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return folder
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    folder = Path(root) / CHECKPOINT_DIR
+    if not folder.exists():
+        return []
+    return sorted(p for p in folder.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
+def resolve_resume(resume, output_dir: str | Path) -> Path | None:
+    """``false`` → None; ``true`` → the latest checkpoint of output_dir (None if there is none
+    yet, so a restarted job starts fresh); a path → that checkpoint (it must exist)."""
+    if resume in (False, None, "", "false", "False"):
+        return None
+    if resume in (True, "true", "True", "latest"):
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(str(resume))
+    if not (path / "state.json").exists():
+        raise FileNotFoundError(
+            f"trainer.resume={resume!r}: no checkpoint there (expected {path}/state.json); "
+            "use trainer.resume=true for the latest checkpoint of trainer.output_dir"
+        )
+    return path
+
+
+def load_checkpoint(folder: str | Path, model, optimizer, scheduler, rank: int = 0) -> TrainerState:
+    """Restore parameters, optimizer, scheduler and this rank's RNG states; return the state."""
+    folder = Path(folder)
+    saved = load_file(folder / "model.safetensors")
+    expected = trainable_state(model)
+    if set(saved) != set(expected):
+        missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+        raise ValueError(
+            f"checkpoint {folder} does not match the model: missing {missing[:5]}, "
+            f"unexpected {extra[:5]} (was it saved with another model or LoRA setting?)"
+        )
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, tensor in saved.items():
+            params[name].copy_(tensor)
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    rng_file = folder / f"rng_rank{rank}.pt"
+    if rng_file.exists():
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    data = json.loads((folder / "state.json").read_text())
+    data.pop("world_size", None)
+    return TrainerState(**data)
+
+
+def _rng_state() -> dict:
+    version, keys, position, has_gauss, cached = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    state = {
+        "python": torch.tensor(py_internal, dtype=torch.int64),
+        "python_meta": [py_version, py_gauss],
+        "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_meta": [version, position, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    py_version, py_gauss = state["python_meta"]
+    random.setstate((py_version, tuple(int(x) for x in state["python"]), py_gauss))
+    version, position, has_gauss, cached = state["numpy_meta"]
+    np.random.set_state((version, state["numpy_keys"].numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,86 @@
+"""Run logging: a JSONL metrics file always; wandb and TensorBoard when asked; trees as JSONL.
+
+Only the main process logs. Metric names are flat strings with "/" groups, e.g.
+``reward/mean``, ``cost/critical_path_tokens``, ``gate/zero_variance_trees``, ``time/rollout``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from selfcest.tree import CloneTree
+
+
+class RunLogger:
+    """Writes ``metrics.jsonl`` (one line per step) and, optionally, wandb/TensorBoard."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        config: dict[str, Any],
+        wandb_mode: str = "disabled",
+        wandb_project: str = "selfcest",
+        run_name: str = "default",
+        tensorboard: bool = False,
+        resume: bool = False,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        # A resumed run appends; a fresh run starts a new file.
+        self._file = self.metrics_path.open("a" if resume else "w")
+        (self.output_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        self._wandb = None
+        if wandb_mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config,
+                                     mode=wandb_mode, dir=str(self.output_dir), resume="allow")
+        self._tensorboard = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if _is_number(v)}
+        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        if self._tensorboard is not None:
+            for key, value in clean.items():
+                self._tensorboard.add_scalar(key, value, step)
+
+    def save_trees(self, step: int, trees: list[CloneTree], name: str = "trees") -> Path:
+        folder = self.output_dir / name
+        folder.mkdir(exist_ok=True)
+        path = folder / f"step_{step:06d}.jsonl"
+        with path.open("w") as out:
+            for tree in trees:
+                out.write(tree.to_json() + "\n")
+        return path
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    """The rows of a ``metrics.jsonl`` file (the last row wins for a step logged twice)."""
+    rows: dict[int, dict[str, float]] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[int(row["step"])] = row
+    return [rows[s] for s in sorted(rows)]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

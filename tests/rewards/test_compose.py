@@ -1,0 +1,77 @@
+import pytest
+from reward_tree_builders import node, returned, said, single_turn, tree_of
+
+from selfcest.rewards.base import TaskScore
+from selfcest.rewards.compose import make_reward, malformed_clones
+from selfcest.rewards.cost import CostConfig
+from selfcest.tasks.base import Task
+from selfcest.tree import Spawn
+
+TASK = Task("t", "q", "7")
+
+
+def exact(text, task):
+    """A scorer for the tests: the final turn must be exactly "Answer: <answer>"."""
+    ok = text.strip() == f"Answer: {task.answer}"
+    return TaskScore(float(ok), ok, {"seen_chars": float(len(text))})
+
+
+def tree_with_clones(*clones):
+    """Root spawns one wave with the given (text, tokens) clones, then answers 7."""
+    ids = [f"0.{i}" for i in range(len(clones))]
+    root = node("0", [said("<spawn>x</spawn>", 10), returned("..."), said("Answer: 7", 4)],
+                [Spawn(0, ids)])
+    return tree_of(root, *(node(i, [said(text, n)]) for i, (text, n) in zip(ids, clones)))
+
+
+def test_format_rule_threshold():
+    tree = tree_with_clones(
+        ("thinking without end", 193), ("thinking without end", 192),
+        ("long work... ANSWER : 3", 500), ("long work, answer: 3", 500),
+    )
+    assert malformed_clones(tree) == ["0.0"]
+    assert malformed_clones(tree, max_tokens_without_answer=100) == ["0.0", "0.1"]
+    # The root is never checked, however long and answerless it is.
+    assert malformed_clones(single_turn("no answer", tokens=5000)) == []
+
+
+def test_composed_reward():
+    tree = tree_with_clones(("Answer: 3", 20), ("rambling", 400))
+    reward = make_reward(exact, CostConfig(root_length=None, spawn_calls=None, per_clone=0.05),
+                         clone_scale=0.4)
+    result = reward(tree, TASK)
+    assert result.correct and result.score == pytest.approx(0.9)
+    assert result.malformed == ["0.1"]
+    assert result.node_rewards == pytest.approx({"0": 0.9, "0.0": 0.36, "0.1": 0.0})
+    assert result.info == pytest.approx({
+        "task_score": 1.0, "seen_chars": 9.0, "cost/clone_length": 0.0, "cost/clones": 0.1,
+        "cost/total": 0.1,
+    })
+
+
+def test_correct_is_unshaped_and_shaping_applies_to_wrong_answers():
+    reward = make_reward(exact, CostConfig(root_length=None, spawn_calls=None, per_token=0.001))
+    right = reward(single_turn("Answer: 7", tokens=400), TASK)
+    wrong = reward(single_turn("Answer: 8", tokens=400), TASK)
+    assert right.correct and right.score == pytest.approx(0.6)
+    assert not wrong.correct and wrong.score == pytest.approx(-0.4)
+
+
+def test_scorer_sees_the_final_turn_without_template_tokens():
+    root = node("0", [said("Answer: 7 <spawn>a</spawn>"), returned("7"),
+                      said("Answer: 7<|im_end|>")], [Spawn(0, ["0.0"])])
+    tree = tree_of(root, node("0.0", [said("Answer: 7")]))
+    result = make_reward(exact)(tree, TASK)
+    assert result.correct and result.info["seen_chars"] == len("Answer: 7")
+
+
+def test_options_off():
+    tree = tree_with_clones(("rambling", 400))
+    result = make_reward(exact, None, format_tokens=None)(tree, TASK)
+    assert result.malformed == [] and result.node_rewards == {"0": 1.0, "0.0": 1.0}
+    assert result.info == {"task_score": 1.0, "seen_chars": 9.0, "cost/total": 0.0}
+
+
+def test_cost_given_as_a_mapping():
+    reward = make_reward(exact, {"root_length": None, "spawn_calls": None, "per_clone": 0.5})
+    assert reward(tree_with_clones(("Answer: 1", 5)), TASK).score == pytest.approx(0.5)

@@ -1,0 +1,151 @@
+"""HFBackend on real tiny transformers models: batching, stopping, logprobs, reproducibility."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from selfcest.budget import Budget
+from selfcest.policy import sequence_logprobs
+from selfcest.rollout.backends.base import SamplingParams
+from selfcest.rollout.backends.hf import HFBackend
+from selfcest.rollout.engine import RolloutEngine
+
+
+def generate_all(backend, requests):
+    async def main():
+        return await asyncio.gather(*(backend.generate(p, **kw) for p, kw in requests))
+
+    return asyncio.run(main())
+
+
+def prompts(tokenizer, n):
+    return [tokenizer.encode("Sum the numbers " * (i + 1) + str(i)) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0),
+     SamplingParams(temperature=1.3, top_k=20)],
+)
+def test_sampled_logprobs_agree_with_a_separate_forward_pass(tiny_policy, sampling):
+    backend = HFBackend(tiny_policy.model, tiny_policy.tokenizer.pad_token_id)
+    batch = prompts(tiny_policy.tokenizer, 5)
+    requests = [(p, dict(max_tokens=12 + i, stop_token_ids=[], sampling=sampling, seed=i))
+                for i, p in enumerate(batch)]
+    completions = generate_all(backend, requests)
+    assert backend.batches == 1  # the five concurrent requests shared one batched decode
+    temperature = sampling.temperature or 1.0
+    for prompt, completion in zip(batch, completions):
+        assert len(completion.token_ids) == len(completion.logprobs) > 0
+        full = torch.tensor([prompt + completion.token_ids])
+        logp = sequence_logprobs(tiny_policy.model, full, torch.ones_like(full), temperature)
+        expected = logp[0, len(prompt) - 1:]
+        assert torch.allclose(expected, torch.tensor(completion.logprobs), atol=1e-4)
+
+
+def test_each_row_stops_on_its_own_stop_tokens_and_budget(tiny_policy):
+    backend = HFBackend(tiny_policy.model, tiny_policy.tokenizer.pad_token_id)
+    batch = prompts(tiny_policy.tokenizer, 6)
+    free = generate_all(backend, [(p, dict(max_tokens=40, stop_token_ids=[], sampling=SamplingParams(),
+                                           seed=7)) for p in batch])
+    # Stop each row on a token it really samples, at different depths: rows stop right there.
+    stops = [c.token_ids[3 + i] for i, c in enumerate(free)]
+    stopped = generate_all(backend, [(p, dict(max_tokens=40, stop_token_ids=[s], sampling=SamplingParams(),
+                                              seed=7)) for p, s in zip(batch, stops)])
+    for before, after, stop in zip(free, stopped, stops):
+        cut = before.token_ids.index(stop) + 1
+        assert after.token_ids == before.token_ids[:cut]  # the stop token is included, nothing after
+        assert after.finish_reason == "stop"
+    budgets = [1, 2, 5, 9, 17, 40]
+    capped = generate_all(backend, [(p, dict(max_tokens=m, stop_token_ids=[], sampling=SamplingParams(),
+                                             seed=7)) for p, m in zip(batch, budgets)])
+    for completion, before, budget in zip(capped, free, budgets):
+        assert len(completion.token_ids) == budget and completion.finish_reason == "length"
+        assert completion.token_ids == before.token_ids[:budget]
+
+
+def test_a_request_samples_the_same_tokens_alone_or_batched(tiny_policy):
+    backend = HFBackend(tiny_policy.model, tiny_policy.tokenizer.pad_token_id)
+    batch = prompts(tiny_policy.tokenizer, 4)
+    kw = dict(max_tokens=16, stop_token_ids=[], sampling=SamplingParams())
+    together = generate_all(backend, [(p, dict(kw, seed=100 + i)) for i, p in enumerate(batch)])
+    for i, p in enumerate(batch):
+        (alone,) = generate_all(backend, [(p, dict(kw, seed=100 + i))])
+        assert alone.token_ids == together[i].token_ids
+    (other_seed,) = generate_all(backend, [(batch[0], dict(kw, seed=5))])
+    assert other_seed.token_ids != together[0].token_ids
+
+
+def test_branches_of_many_trees_share_batches(spawning_policy, demo_task):
+    backend = spawning_policy.backend()
+    engine = RolloutEngine(backend, spawning_policy.protocol, Budget(max_depth=1),
+                           SamplingParams(temperature=0))
+    trees = engine.rollout([demo_task] * 4, samples_per_task=2)
+    for tree in trees:
+        assert tree.costs().clones == 2 and tree.answer == "10"
+        assert [tree.nodes[c].answer for c in tree.root.children] == ["3", "7"]
+    # 8 roots decode together, then their 16 clones together, then the 8 roots resume together.
+    assert backend.batches == 3
+
+
+@pytest.mark.parametrize("policy_name", ["spawning_policy", "tiny_policy"])
+def test_seeded_rollouts_are_reproducible(policy_name, demo_task, request):
+    policy = request.getfixturevalue(policy_name)
+
+    def sample(seed):
+        engine = policy.engine(Budget(max_depth=1, node_generation=24), SamplingParams(), seed=seed)
+        return [t.to_json() for t in engine.rollout([demo_task], samples_per_task=3)]
+
+    first = sample(3)
+    assert sample(3) == first
+    if policy_name == "tiny_policy":  # random weights: high entropy, so seeds must matter
+        assert sample(4) != first
+
+
+def test_weight_version_and_sync(tiny_policy):
+    backend = HFBackend(tiny_policy.model, tiny_policy.tokenizer.pad_token_id)
+    backend.sync_weights(tiny_policy.model)
+    (completion,) = generate_all(backend, [(prompts(tiny_policy.tokenizer, 1)[0], dict(
+        max_tokens=2, stop_token_ids=[], sampling=SamplingParams(), seed=0))])
+    assert completion.weight_version == 1
+
+
+def test_bad_requests_fail_clearly(tiny_policy):
+    backend = HFBackend(tiny_policy.model, tiny_policy.tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        generate_all(backend, [([1, 2], dict(max_tokens=0, stop_token_ids=[], sampling=SamplingParams(), seed=0))])
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate_all(backend, [([], dict(max_tokens=3, stop_token_ids=[], sampling=SamplingParams(), seed=0))])
+
+
+def test_token_fidelity_with_a_real_model(spawning_policy, demo_task):
+    """The training sequence of every node is exactly what its backend calls saw and sampled,
+    plus the injected tokens, and the recorded logprobs are the sampled tokens' logprobs."""
+    backend = spawning_policy.backend()
+    seen = []
+    original = backend.generate
+
+    async def recording(prompt_ids, **kwargs):
+        completion = await original(prompt_ids, **kwargs)
+        seen.append((list(prompt_ids), completion))
+        return completion
+
+    backend.generate = recording
+    engine = RolloutEngine(backend, spawning_policy.protocol, Budget(max_depth=1), seed=1)
+    (tree,) = engine.rollout([demo_task])
+    by_prompt = {tuple(p): c for p, c in seen}
+    for node in tree.nodes.values():
+        context = list(node.prompt_ids)
+        for segment in node.segments:
+            if segment.trainable:
+                completion = by_prompt[tuple(context)]
+                assert segment.token_ids == completion.token_ids
+                ids = torch.tensor([context + segment.token_ids])
+                logp = sequence_logprobs(spawning_policy.model, ids, torch.ones_like(ids))[0, len(context) - 1:]
+                assert torch.allclose(logp, torch.tensor(segment.logprobs), atol=1e-4)
+            context += segment.token_ids
+        assert context == node.context_ids()
+    assert len(seen) == sum(1 for n in tree.nodes.values() for s in n.segments if s.trainable)

@@ -1,0 +1,224 @@
+"""RolloutEngine logic against a scripted backend: nesting, every budget, errors, fidelity."""
+
+from __future__ import annotations
+
+import pytest
+
+from selfcest.budget import Budget
+from selfcest.rollout.backends.scripted import ScriptedBackend
+from selfcest.rollout.engine import RolloutEngine
+from selfcest.tasks.base import Task
+
+CONTEXT = {"L1": "1 2", "L2": "3 4", "L3": "5"}
+
+
+class Script:
+    """Plays agents: the first line of a node's user message names its plan in ``plans``;
+    turn i of the plan is answered after i injected results (returns or notices)."""
+
+    def __init__(self, plans: dict[str, list[str]]):
+        self.plans = plans
+
+    def __call__(self, prompt: str) -> str:
+        user = prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        name = user.splitlines()[0].split(" @")[0].split(" ~")[0].strip()
+        if name == "CRASH":
+            raise RuntimeError("clone exploded")
+        assistant = prompt.split("<|im_start|>assistant\n", 1)[1]
+        turn = assistant.count("</return>")
+        plan = self.plans[name]
+        return plan[min(turn, len(plan) - 1)]
+
+
+def run(policy, plans, budget=None, tasks=None, samples=1):
+    backend = ScriptedBackend(policy.tokenizer, Script(plans))
+    engine = RolloutEngine(backend, policy.protocol, budget or Budget(max_depth=2))
+    tasks = tasks or [Task("t", "ROOT", "x", CONTEXT)]
+    return engine.rollout(tasks, samples), backend
+
+
+def returns_of(tree, node_id="0"):
+    return [s.text for s in tree.nodes[node_id].segments if s.kind in ("return", "notice")]
+
+
+def test_nested_spawns_to_depth_two(tiny_policy):
+    plans = {
+        "ROOT": ["<spawn>A @L1<sep>B</spawn>", "Answer: done"],
+        "A": ["<spawn>A1 @L2</spawn>", "Answer: a"],
+        "A1": ["Answer: a1"],
+        "B": ["Answer: b"],
+    }
+    (tree,), _ = run(tiny_policy, plans)
+    assert sorted(tree.nodes) == ["0", "0.0", "0.0.0", "0.1"]
+    assert tree.nodes["0.0.0"].depth == 2 and tree.nodes["0.0.0"].parent_id == "0.0"
+    assert returns_of(tree, "0.0") == ["<return>a1</return>"]
+    assert returns_of(tree) == ["<return>a<sep>b</return>"]
+    assert tree.answer == "done" and tree.root.finish_reason == "eos"
+    assert tree.nodes["0.0"].context_keys == ["L1"]
+    assert "[L2] 3 4" in tiny_policy.tokenizer.decode(tree.nodes["0.0.0"].prompt_ids)
+
+
+def test_depth_limit(tiny_policy):
+    plans = {"ROOT": ["<spawn>A</spawn>", "Answer: r"], "A": ["<spawn>A1</spawn>", "Answer: a"]}
+    (tree,), _ = run(tiny_policy, plans, Budget(max_depth=1))
+    assert sorted(tree.nodes) == ["0", "0.0"]
+    assert returns_of(tree, "0.0") == ["<return>error: maximum clone depth 1 reached</return>"]
+    assert tree.nodes["0.0"].spawns[0].errors == ["maximum clone depth 1 reached"]
+    (mono,), _ = run(tiny_policy, plans, Budget(max_depth=0))
+    assert list(mono.nodes) == ["0"] and "spawning is disabled" in returns_of(mono)[0]
+
+
+def test_clones_per_spawn_and_per_tree(tiny_policy):
+    plans = {"ROOT": ["<spawn>A<sep>A<sep>A</spawn>", "<spawn>A<sep>A</spawn>", "Answer: r"],
+             "A": ["Answer: a"]}
+    (tree,), _ = run(tiny_policy, plans, Budget(clones_per_spawn=2, clones_per_tree=3, max_depth=1))
+    first, second = returns_of(tree)
+    assert first == "<return>a<sep>a<sep>error: at most 2 clones per spawn call</return>"
+    assert second == "<return>a<sep>error: at most 3 clones per tree</return>"
+    assert tree.costs().clones == 3 and tree.costs().spawn_errors == 2
+
+
+def test_spawn_rounds(tiny_policy):
+    plans = {"ROOT": ["<spawn>A</spawn>"] * 3 + ["Answer: r"], "A": ["Answer: a"]}
+    (tree,), _ = run(tiny_policy, plans, Budget(spawn_rounds=2, max_depth=1))
+    assert returns_of(tree)[2] == "<return>error: at most 2 spawn calls per agent</return>"
+    assert tree.costs().clones == 2 and tree.answer == "r"
+
+
+def test_node_generation_budget_cuts_at_sampling_time(tiny_policy):
+    plans = {"ROOT": ["9" * 100]}
+    (tree,), backend = run(tiny_policy, plans, Budget(node_generation=30, tree_generation=30))
+    assert tree.root.finish_reason == "budget"
+    assert tree.root.generated_tokens == 30  # digits are single tokens: exactly the budget
+    assert [c.max_tokens for c in backend.calls] == [30]
+
+
+def test_node_context_budget(tiny_policy):
+    (tree,), backend = run(tiny_policy, {"ROOT": ["9" * 100]}, Budget(node_context=40))
+    prompt = len(tree.root.prompt_ids)
+    assert backend.calls[0].max_tokens == 40 - prompt
+    assert tree.root.context_length == 40 and tree.root.finish_reason == "budget"
+
+
+def test_tree_generation_pool_is_shared_fairly_and_never_exceeded(tiny_policy):
+    plans = {"ROOT": ["<spawn>A<sep>A<sep>A ~5</spawn>", "Answer: " + "7" * 200], "A": ["4" * 200]}
+    budget = Budget(node_generation=100, tree_generation=120, max_depth=1)
+    (tree,), backend = run(tiny_policy, plans, budget)
+    root_first = tree.root.segments[0]
+    left = 120 - len(root_first.token_ids)
+    share = left // 4
+    caps = sorted(tree.nodes[c].generation_budget for c in tree.root.children)
+    assert caps == sorted([share, share, 5])  # the request ~5 is honoured, the others get a fair share
+    assert tree.costs().generated_tokens <= 120
+    assert tree.root.generated_tokens + sum(
+        tree.nodes[c].generated_tokens for c in tree.root.children) == tree.costs().generated_tokens
+    # the parent resumes with exactly what the clones left unspent
+    assert backend.calls[-1].max_tokens == 120 - sum(
+        len(c.completion.token_ids) for c in backend.calls[:-1])
+
+
+def test_return_tokens_are_capped_per_clone(tiny_policy):
+    plans = {"ROOT": ["<spawn>A</spawn>", "Answer: r"], "A": ["Answer: " + "8" * 50]}
+    (tree,), _ = run(tiny_policy, plans, Budget(return_tokens=6, max_depth=1))
+    (ret,) = [s for s in tree.root.segments if s.kind == "return"]
+    assert len(ret.token_ids) == 2 + 6 and ret.text.endswith("…</return>")
+
+
+def test_malformed_call_becomes_a_notice_and_the_agent_continues(tiny_policy):
+    plans = {"ROOT": ["oops </spawn>", "Answer: recovered"]}
+    (tree,), _ = run(tiny_policy, plans)
+    assert [s.kind for s in tree.root.segments] == ["sampled", "notice", "sampled"]
+    assert "without an opening <spawn>" in tree.root.segments[1].text
+    assert tree.answer == "recovered" and tree.costs().spawn_errors == 1
+
+
+def test_unknown_keys_and_overlong_clone_prompts_are_refused(tiny_policy):
+    plans = {"ROOT": ["<spawn>A @L9<sep>A @BIG</spawn>", "Answer: r"], "A": ["Answer: a"]}
+    task = Task("t", "ROOT", "x", {**CONTEXT, "BIG": "9 " * 300})
+    (tree,), _ = run(tiny_policy, plans, Budget(node_context=200, max_depth=1), tasks=[task])
+    first, second = tree.root.spawns[0].errors
+    assert first == "unknown context key(s) L9 (known: BIG, L1, L2, L3)"
+    assert second.startswith("clone prompt of") and second.endswith("exceeds the context budget of 200")
+    (ret,) = returns_of(tree)
+    assert ret.startswith("<return>error: unknown context key(s) L9")  # shown, cut to return_tokens
+    assert tree.costs().clones == 0
+
+
+def test_a_crashing_clone_is_an_error_entry_not_a_crashed_batch(tiny_policy):
+    plans = {"ROOT": ["<spawn>CRASH<sep>A</spawn>", "Answer: r"], "A": ["Answer: a"]}
+    tasks = [Task(f"t{i}", "ROOT", "x", CONTEXT) for i in range(3)]
+    trees, _ = run(tiny_policy, plans, tasks=tasks)
+    for tree in trees:
+        crashed = tree.nodes["0.0"]
+        assert crashed.finish_reason == "error" and "clone exploded" in crashed.error
+        assert returns_of(tree) == [
+            "<return>error: clone failed (RuntimeError: clone exploded)<sep>a</return>"]
+        assert tree.answer == "r"
+
+
+def test_overlong_root_prompt_fails_the_tree_without_a_backend_call(tiny_policy):
+    trees, backend = run(tiny_policy, {}, Budget(node_context=8))
+    assert trees[0].root.finish_reason == "error" and "does not fit" in trees[0].root.error
+    assert backend.calls == []
+
+
+def test_many_trees_come_back_grouped_by_task(tiny_policy):
+    plans = {f"Q{i}": [f"<spawn>A{i}</spawn>", f"Answer: {i}"] for i in range(6)}
+    plans.update({f"A{i}": [f"Answer: a{i}"] for i in range(6)})
+    tasks = [Task(f"task{i}", f"Q{i}", str(i)) for i in range(6)]
+    trees, _ = run(tiny_policy, plans, tasks=tasks, samples=3)
+    assert [(t.task_id, t.sample_index) for t in trees] == [
+        (f"task{i}", s) for i in range(6) for s in range(3)]
+    assert all(t.answer == str(t.task_index) for t in trees)
+    assert all(returns_of(t) == [f"<return>a{t.task_index}</return>"] for t in trees)
+
+
+def test_token_fidelity(tiny_policy):
+    """Every backend call saw exactly the node's context so far, and each sampled segment is
+    exactly what the backend returned; injected tokens are the only other tokens."""
+    plans = {"ROOT": ["<spawn>A<sep>B</spawn>", "bad</spawn>", "Answer: r"],
+             "A": ["Answer: a"], "B": ["<spawn>A</spawn>", "Answer: b"]}
+    (tree,), backend = run(tiny_policy, plans)
+    calls = {tuple(c.prompt_ids): c.completion for c in backend.calls}
+    sampled = 0
+    for node in tree.nodes.values():
+        context = list(node.prompt_ids)
+        for segment in node.segments:
+            if segment.trainable:
+                completion = calls[tuple(context)]
+                assert segment.token_ids == completion.token_ids
+                assert segment.logprobs == completion.logprobs
+                sampled += 1
+            context += segment.token_ids
+        assert context == node.context_ids()
+    assert sampled == len(backend.calls)
+    assert {n.weight_version for n in tree.nodes.values()} == {0} and tree.weight_version == 0
+
+
+def test_weights_changing_mid_rollout_fail_the_node(tiny_policy):
+    backend = ScriptedBackend(tiny_policy.tokenizer, Script({"ROOT": ["<spawn>A</spawn>", "Answer: r"],
+                                                              "A": ["Answer: a"]}))
+    original = backend.generate
+
+    async def bumping(*args, **kwargs):
+        completion = await original(*args, **kwargs)
+        backend.weight_version += 1  # a sync that should never happen during a rollout
+        return completion
+
+    backend.generate = bumping
+    (tree,) = RolloutEngine(backend, tiny_policy.protocol).rollout([Task("t", "ROOT", "")])
+    assert tree.nodes["0.0"].finish_reason == "error"
+    assert "weights changed during the rollout" in tree.nodes["0.0"].error
+
+
+@pytest.mark.parametrize("timeout", [0.05])
+def test_call_timeout(tiny_policy, timeout):
+    import asyncio
+
+    class Hanging(ScriptedBackend):
+        async def generate(self, *args, **kwargs):
+            await asyncio.sleep(10)
+
+    engine = RolloutEngine(Hanging(tiny_policy.tokenizer, str), tiny_policy.protocol, call_timeout_s=timeout)
+    (tree,) = engine.rollout([Task("t", "ROOT", "")])
+    assert tree.root.finish_reason == "error" and "TimeoutError" in tree.root.error

@@ -1,0 +1,95 @@
+import re
+
+import pytest
+
+from selfcest.tasks.keyed_sum import KeyedSumConfig, keyed_sum_splits, keyed_sum_tasks
+
+
+def numbers(task):
+    return {key: [int(v) for v in text.split(" ")] for key, text in task.context.items()}
+
+
+def test_default_prompt_shows_keys_only():
+    task = keyed_sum_tasks(1, seed=0)[0]
+    assert task.prompt == "Add all numbers in L1 L2 L3 L4."
+    assert list(task.context) == ["L1", "L2", "L3", "L4"]
+    for text in task.context.values():
+        assert re.fullmatch(r"\d( \d){3}", text)
+        assert text not in task.prompt
+    lists = numbers(task)
+    assert task.answer == str(sum(sum(v) for v in lists.values()))
+    assert task.metadata["sums"] == {key: sum(v) for key, v in lists.items()}
+    assert task.source == "keyed_sum"
+
+
+def test_inline_prompt_prints_every_list():
+    task = keyed_sum_tasks(1, seed=0, config=KeyedSumConfig(inline=True))[0]
+    c = task.context
+    assert task.prompt == (
+        f"Add all numbers.\n[L1] {c['L1']}\n[L2] {c['L2']}\n[L3] {c['L3']}\n[L4] {c['L4']}"
+    )
+    # The same draw as the keys-only variant: only the prompt differs.
+    assert task.context == keyed_sum_tasks(1, seed=0)[0].context
+
+
+def test_knobs():
+    config = KeyedSumConfig(num_keys=7, list_len=3, min_value=10, max_value=99, key_prefix="K")
+    tasks = keyed_sum_tasks(50, seed=4, config=config)
+    assert tasks[0].prompt == "Add all numbers in K1 K2 K3 K4 K5 K6 K7."
+    for task in tasks:
+        lists = numbers(task)
+        assert list(lists) == [f"K{i}" for i in range(1, 8)]
+        assert all(len(v) == 3 and all(10 <= x <= 99 for x in v) for v in lists.values())
+        assert int(task.answer) == sum(map(sum, lists.values()))
+    values = {x for t in tasks for v in numbers(t).values() for x in v}
+    assert min(values) < 20 and max(values) > 90  # the whole range is used
+
+
+def test_deterministic_and_seed_dependent():
+    assert keyed_sum_tasks(10, seed=1) == keyed_sum_tasks(10, seed=1)
+    assert keyed_sum_tasks(10, seed=1) != keyed_sum_tasks(10, seed=2)
+    assert keyed_sum_splits(seed=3, n_train=20, n_test=5, n_ood=5) == keyed_sum_splits(
+        seed=3, n_train=20, n_test=5, n_ood=5
+    )
+
+
+def test_splits_disjoint_ood_longer_and_stable():
+    splits = keyed_sum_splits(seed=0, n_train=200, n_test=50, n_ood=50)
+    contexts = {
+        name: [tuple(t.context.items()) for t in splits[name]] for name in ("train", "test", "ood")
+    }
+    assert [len(set(c)) for c in contexts.values()] == [200, 50, 50]
+    assert not set(contexts["train"]) & set(contexts["test"])
+    assert all(len(t.context) == 4 for t in splits.train + splits.test)
+    assert all(len(t.context) == 6 for t in splits.ood)
+    assert splits.ood[0].prompt == "Add all numbers in L1 L2 L3 L4 L5 L6."
+    ids = [t.id for name in ("train", "test", "ood") for t in splits[name]]
+    assert len(set(ids)) == len(ids) and ids[0] == "keyed_sum-train-0"
+    # Asking for a different number of test or OOD tasks leaves train (and OOD) alone.
+    other = keyed_sum_splits(seed=0, n_train=200, n_test=10, n_ood=20)
+    assert other.train == splits.train and other.ood == splits.ood[:20]
+
+
+def test_splits_stay_disjoint_when_ood_equals_train():
+    tiny = KeyedSumConfig(num_keys=1, list_len=2, max_value=2)  # 9 distinct tasks
+    splits = keyed_sum_splits(seed=0, train=tiny, ood=tiny, n_train=4, n_test=2, n_ood=3)
+    every = [t.context["L1"] for name in ("train", "test", "ood") for t in splits[name]]
+    assert len(set(every)) == 9
+    with pytest.raises(ValueError, match="distinct"):
+        keyed_sum_splits(seed=0, train=tiny, ood=tiny, n_train=4, n_test=2, n_ood=4)
+    with pytest.raises(ValueError, match="only 9 distinct"):
+        keyed_sum_tasks(10, config=tiny)
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(num_keys=0), dict(list_len=0), dict(min_value=5, max_value=4),
+            dict(key_prefix="L1"), dict(key_prefix="a b"), dict(key_prefix="")],
+)
+def test_invalid_config(bad):
+    with pytest.raises(ValueError):
+        KeyedSumConfig(**bad)
+
+
+def test_unknown_split_name():
+    with pytest.raises(KeyError, match="split"):
+        keyed_sum_splits(n_train=1, n_test=1, n_ood=1)["validation"]

@@ -1,0 +1,52 @@
+import json
+
+import pytest
+
+from selfcest.tasks import MalformedRowError, load_jsonl, load_tasks, write_jsonl
+from selfcest.tasks.keyed_sum import KeyedSumConfig, keyed_sum_splits
+
+
+def test_keyed_sum_by_name_with_mapping_configs():
+    tasks = load_tasks(
+        "keyed_sum", split="ood", seed=2, n_train=5, n_test=2, n_ood=3,
+        train={"num_keys": 3}, ood={"num_keys": 5, "max_value": 5},
+    )
+    expected = keyed_sum_splits(
+        2, KeyedSumConfig(num_keys=3), KeyedSumConfig(num_keys=5, max_value=5), 5, 2, 3
+    ).ood
+    assert tasks == expected and len(tasks[0].context) == 5
+
+
+def test_arithmetic_and_gym_by_name():
+    assert len(load_tasks("arithmetic", split="test", n_train=3, n_test=2)) == 2
+    assert len(load_tasks("gym", dataset="chain_sum", size=2, seed=1)) == 2
+
+
+def test_unknown_name_and_arguments():
+    with pytest.raises(ValueError, match="unknown task source 'nope'"):
+        load_tasks("nope")
+    with pytest.raises(ValueError, match="keyed_sum"):
+        load_tasks("keyed_sum", n_keys=3)
+
+
+def test_jsonl_round_trip(tmp_path):
+    tasks = load_tasks("keyed_sum", split="train", n_train=4, n_test=1, n_ood=1)
+    path = tmp_path / "out" / "train.jsonl"
+    assert write_jsonl(tasks, path) == 4
+    assert load_jsonl(path) == tasks
+    assert load_tasks("jsonl", path=path) == tasks
+
+
+def test_load_jsonl_names_the_bad_line(tmp_path):
+    good = {"id": "a", "prompt": "p", "answer": "1", "context": {}, "source": "s", "metadata": {}}
+    cases = {
+        "{broken": "line 2: not valid JSON",
+        json.dumps({**good, "answer": " "}): "line 2: empty answer",
+        json.dumps({"id": "b", "prompt": "p"}): r"line 2: missing fields \['answer'\]",
+        json.dumps({**good, "extra": 1}): r"line 2: unknown fields \['extra'\]",
+    }
+    for bad, message in cases.items():
+        path = tmp_path / "tasks.jsonl"
+        path.write_text(json.dumps(good) + "\n" + bad + "\n")
+        with pytest.raises(MalformedRowError, match=message):
+            load_jsonl(path)

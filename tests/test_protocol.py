@@ -1,0 +1,245 @@
+"""Protocol grammar: round trips, returns truncated by tokens, and total parsing (fuzz)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from selfcest.protocol import (
+    CloneResult,
+    ProtocolError,
+    SpawnRequest,
+    TokenProtocol,
+    ToolCallProtocol,
+    extract_answer,
+    resolve_keys,
+)
+from selfcest.tasks.base import Task
+
+
+@pytest.fixture(scope="module")
+def token(tokenizer) -> TokenProtocol:
+    return TokenProtocol(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tool(tokenizer) -> ToolCallProtocol:
+    return ToolCallProtocol(tokenizer)
+
+
+# ---------------------------------------------------------------------- token protocol
+
+
+def test_token_protocol_parses_objectives_keys_and_budgets(token):
+    ids = token.encode("let me split <spawn>sum @L1 and @L2 ~48<sep> count words @L3</spawn>")
+    assert ids[-1] == token.spawn_stop_id  # the close is one token: the backend can stop on it
+    parsed = token.parse(ids)
+    assert parsed == [
+        SpawnRequest("sum @L1 and @L2", ("L1", "L2"), 48),
+        SpawnRequest("count words @L3", ("L3",), None),
+    ]
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("no call at all", "no </spawn>"),
+        ("oops</spawn>", "without an opening"),
+        ("<spawn></spawn>", "empty objective"),
+        ("<spawn>a<sep></spawn>", "objective 2: empty objective"),
+        ("<spawn>a ~0</spawn>", "at least 1 token"),
+        ("<spawn>a<return>b</spawn>", "unexpected <return>"),
+    ],
+)
+def test_token_protocol_errors_have_reasons(token, text, reason):
+    parsed = token.parse_text(text)
+    assert isinstance(parsed, ProtocolError)
+    assert reason in parsed.reason
+
+
+def test_token_protocol_returns_round_trip(token):
+    ids = token.render_results([CloneResult("12"), CloneResult(error="boom")], 100, 16)
+    assert token.decode(ids) == "<return>12<sep>error: boom</return>"
+
+
+def test_returns_are_truncated_by_tokens_with_fair_shares(token):
+    long_answer = "7" * 40  # digits are single tokens in the tiny tokenizer
+    results = [CloneResult("1"), CloneResult(long_answer), CloneResult(long_answer)]
+    ids = token.render_results(results, max_tokens=25, per_clone=30)
+    assert len(ids) <= 25
+    text = token.decode(ids)
+    first, second, third = text.removeprefix("<return>").removesuffix("</return>").split("<sep>")
+    assert first == "1"  # the short answer is never cut
+    # 25 - 4 framing tokens = 21 for answers: 1 for the short one, 10 each for the others.
+    assert len(token.encode(second)) == len(token.encode(third)) == 10
+    assert second.startswith("7777") and second.endswith("…")  # visible truncation marker
+    assert token.render_results(results, max_tokens=3, per_clone=30) is None  # framing needs 4
+
+
+def test_per_clone_cap_applies_even_with_room(token):
+    ids = token.render_results([CloneResult("9" * 50)], max_tokens=500, per_clone=8)
+    assert len(ids) == 2 + 8
+
+
+def test_clone_prompt_expands_only_referenced_context(token, tokenizer):
+    context = {"L1": "1 2 3", "L2": "4 5"}
+    prompt = tokenizer.decode(token.clone_prompt(SpawnRequest("sum @l1", ("l1",)), context))
+    assert "[L1] 1 2 3" in prompt  # case-insensitive key lookup
+    assert "4 5" not in prompt
+    root = tokenizer.decode(token.root_prompt(Task("t", "Add all numbers in L1 L2.", "15", context)))
+    assert "1 2 3" not in root  # the root sees keys only
+
+
+def test_resolve_keys_reports_missing():
+    assert resolve_keys(["L1", " l2 ", "L9"], {"L1": "", "L2": ""}) == (["L1", "L2"], ["L9"])
+
+
+@pytest.mark.parametrize(
+    "text, answer",
+    [
+        ("work\nAnswer: 42\nmore chatter", "42"),
+        ("first answer: 1 then ANSWER:  7 ", "7"),
+        ("no marker\n\n last line \n", "last line"),
+        ("", ""),
+        ("Answer:", ""),
+    ],
+)
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer
+
+
+# ---------------------------------------------------------------------- tool protocol
+
+
+def _call(payload) -> str:
+    body = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"I will delegate.\n<tool_call>\n{body}\n</tool_call>"
+
+
+def test_tool_protocol_parses_hermes_calls(tool):
+    text = _call(
+        {
+            "name": "spawn_clone",
+            "arguments": {
+                "objectives": ["sum L1", {"objective": "sum L2", "shared_context": ["L2"], "max_tokens": 30}],
+                "shared_context": ["L1"],
+                "max_tokens": 50,
+            },
+        }
+    )
+    ids = tool.encode(text)
+    assert ids[-1] == tool.spawn_stop_id
+    assert tool.parse(ids) == [
+        SpawnRequest("sum L1", ("L1",), 50),
+        SpawnRequest("sum L2", ("L1", "L2"), 30),
+    ]
+    # arguments given as a JSON string, objectives as a bare string
+    string_args = {"name": "spawn_clone", "arguments": json.dumps({"objectives": "one"})}
+    assert tool.parse_text(_call(string_args)) == [SpawnRequest("one")]
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        ("{not json", "invalid JSON"),
+        ([1, 2], "must be a JSON object"),
+        ({"name": "search", "arguments": {}}, "unknown tool 'search'"),
+        ({"name": "spawn_clone", "arguments": {"objectives": []}}, "non-empty list"),
+        ({"name": "spawn_clone", "arguments": {"objectives": ["a"], "temperature": 2}}, "unknown argument"),
+        ({"name": "spawn_clone", "arguments": {"objectives": ["a"], "max_tokens": -3}}, "positive integer"),
+        ({"name": "spawn_clone", "arguments": {"objectives": ["a"], "max_tokens": True}}, "positive integer"),
+        ({"name": "spawn_clone", "arguments": {"objectives": [7]}}, "objective 1: an objective must be a string"),
+        ({"name": "spawn_clone", "arguments": {"objectives": ["a"], "shared_context": [1]}}, "list of context keys"),
+        ({"name": "spawn_clone", "arguments": "[[["}, "arguments: invalid JSON"),
+        ({"name": "spawn_clone"}, "arguments must be a JSON object"),
+        ("[" * 100_000 + "]" * 100_000, "invalid JSON"),  # deep nesting must not crash
+    ],
+)
+def test_tool_protocol_errors_have_reasons(tool, payload, reason):
+    parsed = tool.parse_text(_call(payload))
+    assert isinstance(parsed, ProtocolError), parsed
+    assert reason in parsed.reason
+
+
+def test_tool_schema_is_rendered_through_the_chat_template(tool, tokenizer):
+    prompt = tokenizer.decode(tool.root_prompt(Task("t", "What is 2+2?", "4")))
+    assert "<tools>" in prompt and '"name": "spawn_clone"' in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_tool_protocol_fallback_without_template_tool_support(tokenizer):
+    template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    original = tokenizer.chat_template
+    tokenizer.chat_template = template
+    try:
+        protocol = ToolCallProtocol(tokenizer)
+        assert not protocol.native_tools
+        prompt = tokenizer.decode(protocol.root_prompt(Task("t", "q?", "")))
+        assert "spawn_clone" in prompt and "<tool_call>" in prompt
+        ids = protocol.render_results([CloneResult("4")], 100, 10)
+        assert "<tool_response>\n1: 4\n</tool_response>" in tokenizer.decode(ids)
+    finally:
+        tokenizer.chat_template = original
+
+
+def test_tool_returns_close_the_turn_and_reopen_the_assistant(tool, tokenizer):
+    ids = tool.render_results([CloneResult("12"), CloneResult(error="no budget")], 200, 16)
+    assert tokenizer.decode(ids) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n1: 12\n2: error: no budget\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    long = [CloneResult("5" * 60), CloneResult("6" * 60)]
+    framing = len(tool.render_results([CloneResult(""), CloneResult("")], 200, 16))
+    cut = tool.render_results(long, framing + 20, 100)
+    assert len(cut) <= framing + 20
+    assert tokenizer.decode(cut).count("…") == 2
+    assert tool.render_results(long, framing - 1, 100) is None
+
+
+# ---------------------------------------------------------------------- fuzzing
+
+
+def _mutations(rng: random.Random, seeds: list[str], alphabet: list[str]) -> str:
+    text = rng.choice(seeds)
+    for _ in range(rng.randint(1, 6)):
+        op = rng.randrange(4)
+        pos = rng.randint(0, len(text))
+        if op == 0:
+            text = text[:pos] + rng.choice(alphabet) + text[pos:]
+        elif op == 1 and text:
+            text = text[:pos] + text[pos + rng.randint(1, 5):]
+        elif op == 2:
+            text = text[:pos] + text[pos:][::-1]
+        else:
+            text = text + rng.choice(alphabet)
+    return text
+
+
+def test_fuzz_parsing_is_total(token, tool):
+    """2,000 random and mutated outputs: never an exception, every failure has a reason."""
+    rng = random.Random(0)
+    seeds = [
+        "<spawn>sum @L1 ~20<sep>sum @L2</spawn>",
+        _call({"name": "spawn_clone", "arguments": {"objectives": ["a", {"objective": "b"}]}}),
+        _call('{"name": "spawn_clone", "arguments": "{\\"objectives\\": [\\"x\\"]}"}'),
+    ]
+    alphabet = ["<spawn>", "<sep>", "</spawn>", "<return>", "<tool_call>", "</tool_call>", "{", "}",
+                "[", "]", '"', ":", ",", "~", "@", "\\", "\x00", "💥", "null", "1e999", "-1", " "]
+    outcomes = {"requests": 0, "errors": 0}
+    for n in range(2000):
+        if n % 4 == 0:
+            text = bytes(rng.randrange(256) for _ in range(rng.randint(0, 200))).decode("utf-8", "replace")
+        else:
+            text = _mutations(rng, seeds, alphabet)
+        for protocol in (token, tool):
+            parsed = protocol.parse_text(text)
+            if isinstance(parsed, ProtocolError):
+                assert parsed.reason.strip()
+                outcomes["errors"] += 1
+            else:
+                assert parsed and all(isinstance(r, SpawnRequest) and r.objective for r in parsed)
+                outcomes["requests"] += 1
+            protocol.parse(protocol.encode(text))  # the token path is total too
+    assert outcomes["requests"] > 100 and outcomes["errors"] > 100  # both branches exercised

@@ -1,0 +1,224 @@
+"""Training samples, token-budget micro-batches, optimizer-step splits and collation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from selfcest.algo.advantages import Advantages, CreditConfig, compute_advantages
+from selfcest.algo.losses import LossConfig, aggregation_weights, per_token_loss
+from selfcest.train.batching import (
+    TrainingSample,
+    collate,
+    make_micro_batches,
+    padding_fraction,
+    samples_from_trees,
+    split_for_optimizer_steps,
+)
+from selfcest.tree import CloneTree, Node, Segment, Spawn
+
+
+def scored_tree(task_index: int, sample: int, reward: float) -> CloneTree:
+    """A root that spawns two clones; clone 0.1 failed before sampling anything.
+
+    root: prompt [1, 2] | sampled [3, 4] | return [5, 6, 7] | sampled [8]
+    0.0:  prompt [20]   | sampled [21, 22, 23] | notice [24] | sampled [25]
+    0.1:  prompt [30]   (error, no tokens)
+    """
+    tree = CloneTree(task_id=f"t{task_index}", task_index=task_index, sample_index=sample,
+                     weight_version=7, reward=reward)
+    root = tree.add(Node(
+        id="0", parent_id=None, depth=0, objective=None, prompt_ids=[1, 2], weight_version=7,
+        segments=[
+            Segment("sampled", [3, 4], [-0.3, -0.4]),
+            Segment("return", [5, 6, 7]),
+            Segment("sampled", [8], [-0.8]),
+        ],
+        finish_reason="eos",
+    ))
+    root.spawns.append(Spawn(segment_index=0, child_ids=["0.0", "0.1"]))
+    tree.add(Node(
+        id="0.0", parent_id="0", depth=1, objective="a", prompt_ids=[20], weight_version=7,
+        segments=[
+            Segment("sampled", [21, 22, 23], [-2.1, -2.2, -2.3]),
+            Segment("notice", [24]),
+            Segment("sampled", [25], [-2.5]),
+        ],
+        finish_reason="eos",
+    ))
+    tree.add(Node(id="0.1", parent_id="0", depth=1, objective="b", prompt_ids=[30],
+                  finish_reason="error"))
+    return tree
+
+
+def test_samples_have_the_full_context_and_a_mask_exactly_on_sampled_tokens():
+    trees = [scored_tree(0, 0, 1.0), scored_tree(0, 1, 0.0)]
+    advantages = compute_advantages(trees, CreditConfig())
+    samples = samples_from_trees(trees, advantages)
+    assert [(s.tree_id, s.node_id) for s in samples] == [(0, "0"), (0, "0.0"), (1, "0"), (1, "0.0")]
+    root, clone = samples[0], samples[1]
+    assert root.input_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert root.loss_mask == [0, 0, 1, 1, 0, 0, 0, 1]
+    assert root.old_logprobs == [0.0, 0.0, -0.3, -0.4, 0.0, 0.0, 0.0, -0.8]
+    assert clone.input_ids == [20, 21, 22, 23, 24, 25]
+    assert clone.loss_mask == [0, 1, 1, 1, 0, 1]
+    assert clone.old_logprobs == [0.0, -2.1, -2.2, -2.3, 0.0, -2.5]
+    assert root.advantage == 0.5 and clone.advantage == 0.5 and samples[2].advantage == -0.5
+    assert root.weight_version == 7 and root.num_trainable == 3
+    # mask 1 exactly where the token came from a sampled segment
+    for sample, tree in zip(samples, [trees[0], trees[0], trees[1], trees[1]]):
+        node = tree.nodes[sample.node_id]
+        assert sum(sample.loss_mask) == node.generated_tokens
+
+
+def test_dropped_trees_give_no_samples():
+    trees = [scored_tree(0, 0, 1.0), scored_tree(1, 0, 0.3)]
+    advantages = Advantages(per_tree=[{"0": 1.0, "0.0": 1.0, "0.1": 1.0}, {}],
+                            keep=[True, False], metrics={})
+    assert {s.tree_id for s in samples_from_trees(trees, advantages)} == {0}
+    with pytest.raises(ValueError, match="2 trees but advantages for 1"):
+        samples_from_trees(trees, Advantages(per_tree=[{}], keep=[False], metrics={}))
+
+
+def test_sample_lists_must_align():
+    with pytest.raises(ValueError, match="one entry per token"):
+        TrainingSample([1, 2], [0, 1], [0.0], 1.0, 0, "0", None)
+
+
+# ------------------------------------------------------------------ micro-batches
+
+
+def test_micro_batches_hand_example():
+    # sorted: 8 (#2), 5 (#0), 3 (#1), 2 (#3); budget 10, so 8 is alone and 5+3+2 never fit
+    # (3 x 5 = 15). Cost = padded tokens + overhead per micro-batch:
+    #   [8][5,3][2]: 8 + 10 + 2 = 20 padded, 3 passes
+    #   [8][5][3,2]: 8 + 5 + 6  = 19 padded, 3 passes
+    #   [8][5][3][2]: 8 + 5 + 3 + 2 = 18 padded, 4 passes
+    lengths = [5, 3, 8, 2]
+    # overhead 1: 19 + 3 = 22 ties 18 + 4 = 22 -> fewer passes wins
+    assert make_micro_batches(lengths, 10, pass_overhead_tokens=1) == [[2], [0], [1, 3]]
+    # no overhead: padding is all that counts -> one sample per micro-batch
+    assert make_micro_batches(lengths, 10, pass_overhead_tokens=0) == [[2], [0], [1], [3]]
+    # padded 8 + 5 + 6 = 19, real 18 -> 1/19 padding
+    assert padding_fraction(lengths, [[2], [0], [1, 3]]) == pytest.approx(1 / 19)
+
+
+def test_overhead_of_a_budget_gives_the_fewest_micro_batches():
+    # lengths 6, 5, 4, 3 (x2 rows each fit 12); fewest = 2 micro-batches
+    lengths = [6, 5, 4, 3]
+    batches = make_micro_batches(lengths, 12, pass_overhead_tokens=12)
+    assert batches == [[0, 1], [2, 3]]  # the only 2-micro-batch cut (3 x 5 > 12)
+    assert make_micro_batches(lengths, 12, pass_overhead_tokens=0) == [[0], [1], [2], [3]]
+
+
+def test_oversize_samples_go_alone_or_raise():
+    assert make_micro_batches([12, 4, 4], 10) == [[0], [1, 2]]
+    with pytest.raises(ValueError, match="sample 0 has 12 tokens"):
+        make_micro_batches([12, 4, 4], 10, oversize="raise")
+
+
+def realistic_lengths(seed: int = 0) -> list[int]:
+    """A step of 8 prompts x 4 trees: long root contexts, many shorter clone contexts."""
+    rng = random.Random(seed)
+    roots = [rng.randint(1200, 4000) for _ in range(32)]
+    clones = [rng.randint(150, 1400) for _ in range(32 * rng.randint(3, 6))]
+    return roots + clones
+
+
+@pytest.mark.parametrize("budget", [4096, 8192, 16384, 32768])
+def test_padding_never_exceeds_the_budget_and_stays_small(budget):
+    lengths = realistic_lengths()
+    batches = make_micro_batches(lengths, budget)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:
+        assert len(batch) * max(lengths[i] for i in batch) <= budget
+    assert padding_fraction(lengths, batches) < 0.05
+    # For scale: padding every row to the longest, as the reference does, wastes most of it.
+    assert padding_fraction(lengths, [list(range(len(lengths)))]) > 0.5
+
+
+def test_budget_holds_on_random_lengths():
+    rng = random.Random(1)
+    for _ in range(50):
+        lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 60))]
+        budget = rng.randint(300, 2000)
+        for batch in make_micro_batches(lengths, budget):
+            assert len(batch) * max(lengths[i] for i in batch) <= budget
+
+
+# ------------------------------------------------------------------ optimizer steps
+
+
+def test_optimizer_step_count_is_fixed_and_balanced_by_tokens():
+    tokens = [10, 9, 8, 7, 6, 5]
+    micro_batches = [[0], [1], [2], [3], [4], [5]]
+    steps = split_for_optimizer_steps(micro_batches, 2, tokens)
+    # largest first, each to the least-loaded step (ties: the first):
+    #   10 -> s0 (10); 9 -> s1 (9); 8 -> s1 (17); 7 -> s0 (17); 6 -> s0 (23); 5 -> s1 (22)
+    assert steps == [[[0], [3], [4]], [[1], [2], [5]]]
+
+
+def test_step_count_does_not_depend_on_the_clone_count():
+    for n_samples in (4, 40, 400):
+        lengths = [100] * n_samples
+        batches = make_micro_batches(lengths, 1000)
+        steps = split_for_optimizer_steps(batches, 4, lengths)
+        assert len(steps) == 4 and all(steps)
+        assert sorted(i for s in steps for b in s for i in b) == list(range(n_samples))
+
+
+def test_too_few_micro_batches_are_halved_and_only_missing_samples_leave_steps_empty():
+    # one micro-batch of 4 rows, 3 steps: halved twice into single-digit groups
+    steps = split_for_optimizer_steps([[0, 1, 2, 3]], 3, [40, 30, 20, 10])
+    assert all(steps)
+    assert sorted(i for s in steps for b in s for i in b) == [0, 1, 2, 3]
+    # 2 samples cannot fill 3 steps
+    steps = split_for_optimizer_steps([[0, 1]], 3, [5, 5])
+    assert [len(s) for s in steps] == [1, 1, 0]
+    with pytest.raises(ValueError, match="num_steps"):
+        split_for_optimizer_steps([[0]], 0, [1])
+
+
+# ------------------------------------------------------------------ collation
+
+
+def test_collate_right_pads_and_weights_only_sampled_tokens():
+    trees = [scored_tree(0, 0, 1.0), scored_tree(0, 1, 0.0)]
+    samples = samples_from_trees(trees, compute_advantages(trees, CreditConfig()))
+    batch = collate(samples[:2], [0.25, 0.5], pad_token_id=-1)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8], [20, 21, 22, 23, 24, 25, -1, -1]]
+    assert batch.attention_mask.tolist() == [[1] * 8, [1] * 6 + [0, 0]]
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 1, 0, 0, 0, 1], [0, 1, 1, 1, 0, 1, 0, 0]]
+    assert batch.token_weights.tolist() == [
+        [0, 0, 0.25, 0.25, 0, 0, 0, 0.25], [0, 0.5, 0.5, 0.5, 0, 0.5, 0, 0]]
+    assert batch.advantages.tolist() == [0.5, 0.5]
+    assert batch.old_logprobs[1, 5].item() == pytest.approx(-2.5)
+    assert batch.to("cpu").input_ids.dtype == torch.long
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "tree_mean"])
+def test_step_loss_is_the_same_for_any_token_budget(mode):
+    """Sampling -> micro-batches -> loss: the step's loss does not depend on the split."""
+    trees = [scored_tree(0, i, r) for i, r in enumerate([1.0, 0.0, 0.4])]
+    samples = samples_from_trees(trees, compute_advantages(trees, CreditConfig()))
+    weights = aggregation_weights(
+        [s.num_trainable for s in samples], [s.tree_id for s in samples], mode)
+    generator = torch.Generator().manual_seed(0)
+    # a fixed "current policy" logprob per (sample, position), shared by every split
+    current = [torch.randn(s.length, generator=generator) * 0.1 - 1 for s in samples]
+    totals = []
+    for budget in (8, 16, 64):
+        total = 0.0
+        for micro_batch in make_micro_batches([s.length for s in samples], budget):
+            batch = collate([samples[i] for i in micro_batch], [weights[i] for i in micro_batch])
+            logprobs = torch.zeros_like(batch.old_logprobs)
+            for row, i in enumerate(micro_batch):
+                logprobs[row, : samples[i].length] = current[i]
+            loss, _ = per_token_loss(logprobs, batch.old_logprobs, batch.advantages,
+                                     batch.loss_mask, LossConfig())
+            total += (loss * batch.token_weights).sum().item()
+        totals.append(total)
+    assert totals == pytest.approx([totals[0]] * 3, rel=1e-6)
+    assert totals[0] != 0.0

@@ -1,0 +1,163 @@
+"""GRPOTrainer end to end on tiny models: parameters move, masks hold, credit reaches
+clones, resume is exact."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from selfcest.budget import Budget
+from selfcest.policy import ClonePolicy
+from selfcest.protocol import SpawnRequest
+from selfcest.rewards.base import RewardResult
+from selfcest.rollout.backends.base import SamplingParams
+from selfcest.tasks.base import Task
+from selfcest.train.batching import samples_from_trees
+from selfcest.train.config import TrainConfig
+from selfcest.train.trainer import GRPOTrainer
+
+from helpers import DEMO_CONTEXT, overfit
+
+DIGIT_REWARD = textwrap.dedent(
+    """
+    from selfcest.rewards.base import RewardResult
+
+    def reward(tree, task):
+        # Share of digits in everything the tree generated: varies a lot under a random
+        # policy, so every group has variance and every step trains.
+        text = "".join(n.text() for n in tree.nodes.values())
+        return RewardResult(score=sum(c.isdigit() for c in text) / max(1, len(text)),
+                            correct=tree.answer == task.answer)
+    """
+)
+
+
+def small_config(tmp_path, **trainer) -> TrainConfig:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    reward_file = tmp_path / "digit_reward.py"
+    reward_file.write_text(DIGIT_REWARD)
+    config = TrainConfig()
+    config.task.reward = f"{reward_file}:reward"
+    config.task.params = {"split": "train", "n_train": 64, "n_test": 8, "n_ood": 8}
+    config.rollout.budget = Budget(node_generation=24, tree_generation=64, node_context=256)
+    config.trainer.tokens_per_micro_batch = 2048
+    config.trainer.prompts_per_step = 4
+    config.trainer.output_dir = str(tmp_path / "run")
+    config.log.progress = False
+    for key, value in trainer.items():
+        setattr(config.trainer, key, value)
+    return config
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_two_steps_change_every_trainable_parameter(tmp_path):
+    trainer = GRPOTrainer(small_config(tmp_path, steps=2, lr=1e-2))
+    before = params_of(trainer.policy.model)
+    history = trainer.train()
+    trainer.close()
+    after = params_of(trainer.policy.model)
+    unchanged = [n for n in before if torch.equal(before[n], after[n])]
+    assert not unchanged, f"parameters that did not move: {unchanged}"
+    assert len(history) == 2 and all(h["train/optimizer_steps"] == 1 for h in history)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
+    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "model.safetensors").exists()
+
+
+def test_injected_and_prompt_tokens_get_exactly_zero_gradient(spawning_policy, demo_task, tmp_path):
+    """The loss never pulls on the prediction of a token the node did not sample."""
+    policy = ClonePolicy(spawning_policy.model, spawning_policy.tokenizer, spawning_policy.protocol)
+    trainer = GRPOTrainer(small_config(tmp_path), policy=policy, train_tasks=[demo_task])
+    (tree,) = policy.engine(Budget(max_depth=1), SamplingParams(temperature=0)).rollout([demo_task])
+    assert any(s.kind == "return" for s in tree.root.segments)
+    from selfcest.algo.advantages import Advantages
+
+    (sample,) = [s for s in samples_from_trees([tree], Advantages([{n: 1.0 for n in tree.nodes}], [True], {}))
+                 if s.node_id == "0"]
+    captured = {}
+
+    def keep_logits(module, inputs, logits):
+        logits.retain_grad()
+        captured["logits"] = logits
+
+    hook = policy.model.get_output_embeddings().register_forward_hook(keep_logits)
+    try:
+        trainer._backward([sample], [1.0], None)
+    finally:
+        hook.remove()
+        policy.model.zero_grad(set_to_none=True)
+    grad = captured["logits"].grad[0]  # row t predicts token t + 1
+    predicts_sampled = torch.tensor(sample.loss_mask[1:] + [0], dtype=torch.bool)
+    assert grad[~predicts_sampled].abs().max() == 0  # prompt, return and padding: exactly zero
+    assert (grad[predicts_sampled].abs().sum(-1) > 0).all()
+
+
+def test_credit_reaches_clones(tmp_path):
+    """A reward that depends only on what clones answer changes what clones answer."""
+    policy = ClonePolicy.build_tiny(seed=2)
+    task = Task("pick", "Add all numbers in L1 L2.", "?", DEMO_CONTEXT)
+    p, enc = policy.protocol, policy.protocol.encode
+    traces = [(p.root_prompt(task), [("sampled", enc("<spawn>sum @L1<sep>sum @L2</spawn>")),
+                                     ("return", enc("<return>3<sep>7</return>")),
+                                     ("sampled", enc("Answer: 10<|im_end|>"))])]
+    for key in ("L1", "L2"):
+        prompt = p.clone_prompt(SpawnRequest(f"sum @{key}", (key,)), DEMO_CONTEXT)
+        traces += [(prompt, [("sampled", enc(f"Answer: {d}<|im_end|>"))]) for d in "3579"]
+    overfit(policy, traces, steps=120)
+
+    def sevens(trees):
+        answers = [t.nodes[c].answer for t in trees for c in t.root.children]
+        return sum(a == "7" for a in answers) / max(1, len(answers))
+
+    def clone_reward(tree, _task):
+        return RewardResult(score=sevens([tree]), correct=False)
+
+    probe = policy.engine(Budget(max_depth=1), SamplingParams(), seed=123)
+    before = sevens(probe.rollout([task], samples_per_task=64))
+    config = small_config(tmp_path, steps=12, lr=3e-3, trees_per_prompt=8, prompts_per_step=2)
+    config.rollout.budget = Budget(max_depth=1)
+    trainer = GRPOTrainer(config, policy=policy, train_tasks=[task], reward_fn=clone_reward)
+    trainer.train()
+    trainer.close()
+    after = sevens(probe.rollout([task], samples_per_task=64))
+    assert 0.1 < before < 0.45  # the warm start answers 3, 5, 7 or 9 about evenly
+    assert after > before + 0.3, (before, after)
+
+
+def test_resume_is_bitwise_exact(tmp_path):
+    straight = GRPOTrainer(small_config(tmp_path / "a", steps=4, save_every=2))
+    straight.train()
+    straight.close()
+
+    first = GRPOTrainer(small_config(tmp_path / "b", steps=2, save_every=2))
+    first.train()
+    first.close()
+    resumed = GRPOTrainer(small_config(tmp_path / "b", steps=4, save_every=2, resume=True))
+    assert resumed.state.step == 2 and resumed.resumed_from.name == "step_000002"
+    resumed.train()
+    resumed.close()
+
+    a, b = params_of(straight.policy.model), params_of(resumed.policy.model)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not all(torch.equal(a[n], params_of(first.policy.model)[n]) for n in a)
+    sa = straight.optimizer.state_dict()["state"]
+    sb = resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
+
+
+def test_stale_samples_are_refused(tmp_path, spawning_policy, demo_task):
+    policy = ClonePolicy(spawning_policy.model, spawning_policy.tokenizer, spawning_policy.protocol)
+    trainer = GRPOTrainer(small_config(tmp_path), policy=policy, train_tasks=[demo_task])
+    trees = policy.engine(Budget(max_depth=1), SamplingParams()).rollout([demo_task], samples_per_task=4)
+    for i, tree in enumerate(trees):
+        tree.reward, tree.correct, tree.info["malformed_nodes"] = float(i), False, []
+    trainer.backend.sync_weights(policy.model)  # the trees are now one version behind
+    before = params_of(policy.model)
+    metrics = trainer.train_on_trees(trees)
+    assert metrics["samples/stale_refused"] == sum(len(t.nodes) for t in trees)
+    assert metrics["train/optimizer_steps"] == 0
+    assert all(torch.equal(before[n], p) for n, p in policy.model.named_parameters())
