@@ -267,6 +267,7 @@ class GRPOTrainer:
         timings["time/scoring"] = time.perf_counter() - mark
 
         mark = time.perf_counter()
+        self.backend.sleep()  # free the engine's memory for the update (vLLM sleep mode)
         metrics = self.train_on_trees(trees)
         timings["time/training"] = time.perf_counter() - mark
 
@@ -507,6 +508,8 @@ class GRPOTrainer:
                                keep=self.config.trainer.keep_checkpoints)
 
     def close(self) -> None:
+        """Release the backend and close the logs."""
+        self.backend.close()
         if self.logger is not None:
             self.logger.close()
 

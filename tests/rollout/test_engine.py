@@ -222,3 +222,32 @@ def test_call_timeout(tiny_policy, timeout):
     engine = RolloutEngine(Hanging(tiny_policy.tokenizer, str), tiny_policy.protocol, call_timeout_s=timeout)
     (tree,) = engine.rollout([Task("t", "ROOT", "")])
     assert tree.root.finish_reason == "error" and "TimeoutError" in tree.root.error
+
+
+def test_counterfactual_rerun_replaces_one_clone_with_a_null_result(tiny_policy):
+    """The root resumes from the spawn call with that clone's answer nulled, keeping the rest."""
+
+    def respond(prompt: str) -> str:
+        assistant = prompt.split("<|im_start|>assistant\n", 1)[-1]
+        if "<return>" in assistant:  # the root adds up whatever came back
+            returned = assistant.rsplit("<return>", 1)[1].split("</return>")[0].split("<sep>")
+            return "Answer: " + "+".join(returned)
+        if prompt.count("<|im_start|>user") and "ROOT" in prompt:
+            return "<spawn>A<sep>B</spawn>"
+        return "Answer: " + ("a" if "\nA<|im_end|>" in prompt else "b")
+
+    backend = ScriptedBackend(tiny_policy.tokenizer, respond)
+    engine = RolloutEngine(backend, tiny_policy.protocol, Budget())
+    task = Task("t", "ROOT", "a+b")
+    (tree,) = engine.rollout([task])
+    assert tree.answer == "a+b"
+    reruns = engine.rerun_without(tree, task, "0.0", samples=2)
+    assert len(reruns) == 2
+    for rerun in reruns:
+        assert rerun.answer == "error: no result+b"
+        assert sorted(rerun.nodes) == ["0", "0.0", "0.1"]  # the other clones are kept, not re-run
+        assert rerun.root.segments[0].token_ids == tree.root.segments[0].token_ids
+        assert rerun.info["counterfactual_of"] == "0.0"
+    assert tree.answer == "a+b" and tree.reward is None  # the original is untouched
+    with pytest.raises(ValueError, match="depth-1 clones"):
+        engine.rerun_without(tree, task, "0", samples=1)

@@ -161,3 +161,29 @@ def test_stale_samples_are_refused(tmp_path, spawning_policy, demo_task):
     assert metrics["samples/stale_refused"] == sum(len(t.nodes) for t in trees)
     assert metrics["train/optimizer_steps"] == 0
     assert all(torch.equal(before[n], p) for n, p in policy.model.named_parameters())
+
+
+def test_counterfactual_credit_measures_each_clone(tmp_path, spawning_policy, demo_task):
+    """Each depth-1 clone gets the mean reward of re-runs without its answer; with the
+    spawning policy, losing either clone's answer breaks the sum, so both matter."""
+    policy = ClonePolicy(spawning_policy.model, spawning_policy.tokenizer, spawning_policy.protocol)
+    config = small_config(tmp_path, steps=1)
+    config.algo.credit.strategy = "counterfactual"
+    config.algo.counterfactual_samples = 2
+    config.rollout.budget = Budget(max_depth=1)
+    config.rollout.temperature = 0.0
+
+    def exact(tree, task):
+        return RewardResult(score=float(tree.answer == task.answer), correct=tree.answer == task.answer)
+
+    trainer = GRPOTrainer(config, policy=policy, train_tasks=[demo_task], reward_fn=exact)
+    trees = trainer.engine(seed=0).rollout([demo_task], samples_per_task=2)
+    from selfcest.rewards.base import score_trees
+
+    score_trees(trees, [demo_task], exact)
+    trainer._counterfactual(trees, {demo_task.id: demo_task})
+    for tree in trees:
+        assert tree.reward == 1.0
+        assert set(tree.info["counterfactual"]) == {"0.0", "0.1"}
+        assert all(value < 1.0 for value in tree.info["counterfactual"].values())
+    trainer.close()

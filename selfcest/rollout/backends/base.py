@@ -67,3 +67,11 @@ class Backend(Protocol):
         Returns only once the new weights are really served; raises if they are not.
         """
         ...
+
+    def sleep(self) -> None:
+        """Free accelerator memory for a training phase (a no-op where nothing is held)."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine and its temporary files."""
+        ...

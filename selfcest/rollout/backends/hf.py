@@ -186,6 +186,12 @@ class HFBackend:
             self.model.load_state_dict(model.state_dict())
         self.weight_version += 1
 
+    def sleep(self) -> None:
+        """Nothing to free: the backend decodes with the trainer's own model."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
 
 def cache_argument(model) -> str:
     """Name of the KV-cache keyword: ``cache`` in newer transformers, ``past_key_values`` before."""

@@ -59,3 +59,9 @@ class ScriptedBackend:
 
     def sync_weights(self, model) -> None:
         self.weight_version += 1
+
+    def sleep(self) -> None:
+        """Nothing to free."""
+
+    def close(self) -> None:
+        """Nothing to release."""

