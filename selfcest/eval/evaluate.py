@@ -16,7 +16,6 @@ bootstrap intervals over tasks for accuracy and token costs). `evaluate` is the 
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections import defaultdict
@@ -34,6 +33,7 @@ from selfcest.rewards.base import RewardFn, RewardResult
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.tasks.base import Task
+from selfcest.tasks.io import load_jsonl
 from selfcest.tree import CloneTree
 
 logger = logging.getLogger(__name__)
@@ -433,7 +433,7 @@ def run_evaluation(
 
     parsed = [m if isinstance(m, Method) else method_from_mapping(m, base, load) for m in methods]
     splits = {
-        name: load_tasks(source) if isinstance(source, (str, Path)) else list(source)
+        name: load_jsonl(source) if isinstance(source, (str, Path)) else list(source)
         for name, source in tasks.items()
     }
     return evaluate(
@@ -472,18 +472,3 @@ def method_from_mapping(
         task_view=data.get("task_view"),
         policy=load_policy(model) if model is not None else None,
     )
-
-
-def load_tasks(path: str | Path) -> list[Task]:
-    """Tasks from a JSONL file of `Task.to_dict` records; a bad line is named in the error."""
-    path = Path(path)
-    tasks = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                tasks.append(Task.from_dict(json.loads(line)))
-            except (ValueError, TypeError) as error:
-                raise ValueError(f"{path}:{number}: not a task record ({error})") from error
-    return tasks

@@ -33,7 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedType
 from accelerate.utils import gather_object
 
 from selfcest.algo.advantages import COUNTERFACTUAL_KEY, compute_advantages
@@ -160,6 +160,15 @@ class GRPOTrainer:
         # cpu=True on machines without CUDA: without it, two CPU processes each think they
         # are alone and never synchronise gradients.
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        if self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            # Rollouts decode with full weights on every process independently; under FSDP or
+            # ZeRO-3 each process holds a shard, and generating from it would need every
+            # process in lockstep. Not supported yet: say so before any compute.
+            raise ConfigError(
+                f"accelerate distributed_type={self.accelerator.distributed_type.value}: the "
+                "trainer supports single-process and DDP runs (configs/accelerate/ddp.yaml); "
+                "sharded training (FSDP, DeepSpeed ZeRO-3) is not supported yet"
+            )
         self.policy = policy or build_policy(config)
         model = self.policy.model
         if config.model.gradient_checkpointing:

@@ -20,7 +20,6 @@ from selfcest.eval import (
     Method,
     bootstrap_mean,
     evaluate,
-    load_tasks,
     majority_vote,
     normalize_answer,
     read_trees,
@@ -269,15 +268,6 @@ def test_run_evaluation_with_plain_arguments(scripted, tmp_path):
     with pytest.raises(ValueError, match="unknown field"):
         run_evaluation(scripted, {"id": tasks_file}, [64], [{"name": "x", "kind": "clones", "k": 2}],
                        exact_match, tmp_path / "bad")
-
-
-def test_load_tasks_names_the_bad_line(tmp_path):
-    path = tmp_path / "tasks.jsonl"
-    path.write_text(json.dumps(Task("a", "?", "1").to_dict()) + "\n\n" + '{"id": "b"}\n')
-    with pytest.raises(ValueError, match=r"tasks\.jsonl:3"):
-        load_tasks(path)
-    path.write_text(json.dumps(Task("a", "?", "1").to_dict()) + "\n")
-    assert load_tasks(path) == [Task("a", "?", "1")]
 
 
 # ---------------------------------------------------------------------------- bootstrap
