@@ -60,6 +60,7 @@ The quick brown fox jumps over the lazy dog. Who is the mother of the director o
 SIZES = {
     # name: (hidden, layers, heads, kv heads, intermediate)
     "tiny": (64, 2, 4, 2, 192),
+    "mini": (128, 2, 4, 2, 384),
     "small": (128, 4, 4, 2, 384),
     "medium": (256, 8, 8, 4, 768),
 }

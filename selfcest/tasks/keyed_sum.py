@@ -16,7 +16,8 @@ prompt itself (for a monolithic baseline that reads everything in one context), 
     [L2] 0 9 4 1
 
 The answer is the total as a decimal string; ``metadata["sums"]`` holds each key's sum (the
-answer a clone asked to sum one key should give).
+answer a clone asked to sum one key should give). With ``modulus=10`` the prompt ends in
+``mod 10.`` and every answer (the total, each key's sum) is taken modulo 10.
 
 `keyed_sum_splits` gives disjoint in-distribution train/test splits and an
 out-of-distribution split (by default two more keys: 6 instead of 4).
@@ -48,10 +49,15 @@ class KeyedSumConfig:
     max_value: int = 9  # largest number (inclusive); 99 gives two-digit numbers
     inline: bool = False  # print the lists in the root prompt instead of keys only
     key_prefix: str = "L"  # keys are f"{key_prefix}{i}", i = 1..num_keys
+    # Answer the total modulo this (0: the plain total). With 10, every partial result is
+    # one digit, so each step of a running sum is the same small operation at every level.
+    modulus: int = 0
 
     def __post_init__(self) -> None:
         if self.num_keys < 1 or self.list_len < 1:
             raise ValueError("num_keys and list_len must be at least 1")
+        if self.modulus < 0:
+            raise ValueError(f"modulus must be >= 0 (0: no modulus), got {self.modulus}")
         if self.min_value > self.max_value:
             raise ValueError(f"min_value {self.min_value} > max_value {self.max_value}")
         if not _PREFIX.fullmatch(self.key_prefix):
@@ -74,15 +80,20 @@ def keyed_sum_task(lists: list[list[int]], config: KeyedSumConfig, task_id: str)
     if len(lists) != len(keys):
         raise ValueError(f"expected {len(keys)} lists, got {len(lists)}")
     context = {key: " ".join(str(v) for v in values) for key, values in zip(keys, lists)}
+    modulo = f" mod {config.modulus}" if config.modulus else ""
     if config.inline:
-        prompt = "Add all numbers.\n" + context_block(keys, context)
+        prompt = f"Add all numbers{modulo}.\n" + context_block(keys, context)
     else:
-        prompt = f"Add all numbers in {' '.join(keys)}."
-    sums = {key: sum(values) for key, values in zip(keys, lists)}
+        prompt = f"Add all numbers in {' '.join(keys)}{modulo}."
+
+    def reduce(value: int) -> int:
+        return value % config.modulus if config.modulus else value
+
+    sums = {key: reduce(sum(values)) for key, values in zip(keys, lists)}
     return Task(
         id=task_id,
         prompt=prompt,
-        answer=str(sum(sums.values())),
+        answer=str(reduce(sum(sums.values()))),
         context=context,
         source=SOURCE,
         metadata={"sums": sums, "config": asdict(config)},
@@ -147,3 +158,13 @@ def keyed_sum_splits(
         test=tasks(in_dist[n_train:], train, "test"),
         ood=tasks(out_dist, ood, "ood"),
     )
+
+
+def inline_view(task: Task) -> Task:
+    """The same keyed_sum task with its lists printed in the prompt (for a monolithic
+    baseline reading everything in one context); the answer and context are unchanged."""
+    config = KeyedSumConfig(**task.metadata["config"])
+    if config.inline:
+        return task
+    lists = [[int(v) for v in task.context[key].split()] for key in config.keys()]
+    return keyed_sum_task(lists, replace(config, inline=True), task.id)

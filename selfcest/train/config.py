@@ -15,6 +15,7 @@ from selfcest.algo.advantages import CreditConfig
 from selfcest.algo.losses import LossConfig
 from selfcest.budget import Budget
 from selfcest.policy import PROTOCOLS, SIZES, LoraSettings
+from selfcest.train.sft import SFTConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine")
@@ -154,6 +155,24 @@ class LogConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    # Tasks a teacher demonstrates before RL: a selfcest.tasks source {name, params} ("mix"
+    # for several); empty: no warm start.
+    tasks: dict[str, Any] = field(default_factory=dict)
+    # Teacher writing the demonstrations (selfcest.train.traces.TEACHERS) and its settings.
+    teacher: str = "keyed_sum"
+    teacher_params: dict[str, Any] = field(default_factory=dict)
+    # Extra copies of every delegating node's sequence (few tokens next to its clones').
+    delegator_repeat: int = 0
+    # Budget the teacher's trees are built under (generous: a cut demonstration is dropped).
+    budget: Budget = field(default_factory=lambda: Budget(node_generation=512, tree_generation=8192,
+                                                           node_context=1024, max_depth=3,
+                                                           clones_per_spawn=16, clones_per_tree=64))
+    # Supervised training settings.
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+@dataclass
 class TrainConfig:
     # Run name (logs and output folder names).
     name: str = "default"
@@ -163,6 +182,8 @@ class TrainConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    # Supervised warm start on teacher demonstrations before RL (off unless tasks are given).
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
 
 def _choice(key: str, value: Any, allowed: tuple) -> None:
@@ -218,3 +239,13 @@ def validate(config: TrainConfig) -> None:
             "rollout.budget.max_depth=0 disables spawning; use credit.strategy=broadcast"
         )
     _positive("rollout.max_batch_size", rollout.max_batch_size)
+
+
+@dataclass
+class SFTRunConfig:
+    """``selfcest-sft``: warm-start a model on demonstrations and save it."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    # Where the trained policy (and sft.jsonl, its loss curve) is saved.
+    output_dir: str = "runs/sft"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import math
 import random
 import statistics
@@ -44,7 +45,7 @@ from selfcest.algo.losses import (
     token_entropy,
     token_logprobs,
 )
-from selfcest.policy import ClonePolicy
+from selfcest.policy import SIZES, ClonePolicy
 from selfcest.rewards.base import RewardFn, load_reward, score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.engine import RolloutEngine
@@ -61,6 +62,7 @@ from selfcest.train.batching import (
 from selfcest.train.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
 from selfcest.train.config import ConfigError, TrainConfig, validate
 from selfcest.train.logging import RunLogger
+from selfcest.train.sft import warm_start
 from selfcest.tree import CloneTree
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,7 +94,7 @@ class TaskSampler:
 def build_policy(config: TrainConfig) -> ClonePolicy:
     """The policy a config describes: a built-in tiny size or a model folder."""
     model = config.model
-    if model.name in ("tiny", "small", "medium"):
+    if model.name in SIZES:
         policy = ClonePolicy.build_tiny(seed=model.init_seed, size=model.name, protocol=model.protocol,
                                         root_system=model.root_system, clone_system=model.clone_system)
         if model.lora is not None:
@@ -184,6 +186,8 @@ class GRPOTrainer:
         self.reference = self._reference_model()
         self.backend = backend or self._build_backend()
         self.state = TrainerState(step=0, epoch=0, cursor=0, weight_version=self.backend.weight_version)
+        if resume_from is None and config.warm_start.tasks:
+            self._warm_start()
         if resume_from is not None:
             self.state = load_checkpoint(resume_from, self._unwrapped, self.optimizer, self.scheduler,
                                          rank=self.accelerator.process_index)
@@ -197,6 +201,16 @@ class GRPOTrainer:
         self.resumed_from = resume_from
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _warm_start(self) -> None:
+        """Supervised warm start on teacher demonstrations, before the first step. Every
+        process runs it identically (same data, same seed), so they stay in agreement."""
+        out = Path(self.config.trainer.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "sft.jsonl", "w") as log:
+            warm_start(self.policy, self.config.warm_start,
+                       log=lambda step, m: log.write(json.dumps({"step": step, **m}) + "\n"))
+        self.backend.sync_weights(self._unwrapped)
 
     @property
     def _unwrapped(self):

@@ -1,0 +1,1 @@
+"""Experiments: self-contained pipelines that train, evaluate and report (see each module)."""
