@@ -15,7 +15,7 @@ install: $(VENV)/.installed
 
 # The main job on the embedded default (no downloads).
 run: install
-	$(PY) -m selfcest.demo
+	$(PY) -m selfcest.experiments.cpu_repro
 
 # The default test run: CPU only, no network, a few minutes.
 test: install

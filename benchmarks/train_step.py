@@ -58,9 +58,10 @@ def phase_split(trainer: GRPOTrainer, steps: int) -> dict[str, float]:
 
 
 def demonstration_trees(policy: ClonePolicy, n: int, weight_version: int):
-    tasks = load_tasks("keyed_sum", split="train", n_train=n, n_test=1, n_ood=1)
-    trees = teacher_trees(tasks, KeyedSumTeacher(group_sizes=(1, 2), seed=0), policy.protocol,
-                          Budget(max_depth=1, node_generation=128, tree_generation=1024))
+    tasks = load_tasks("keyed_sum", split="train", n_train=n, n_test=1, n_ood=1,
+                       train={"num_keys": 4, "list_len": 3, "max_value": 3})
+    trees = teacher_trees(tasks, KeyedSumTeacher(redelegate=0.5, seed=0), policy.protocol,
+                          Budget(max_depth=3, node_generation=128, tree_generation=1024))
     rng = random.Random(0)
     for i, tree in enumerate(trees):
         tree.task_index = i // 4  # groups of four trees, as with 4 trees per prompt

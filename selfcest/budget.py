@@ -99,14 +99,22 @@ class Allowance:
         self.descendants += child.spent
 
 
-def clone_pools(pool_left: int, requested: list[int | None]) -> list[int]:
+def clone_pools(pool_left: int, requested: list[int | None], own_left: int | None = None) -> list[int]:
     """Generation pools for the clones of one spawn call.
 
-    The parent's remaining pool is split into ``k + 1`` equal shares, one per clone and one the
-    parent keeps for its own continuation; a clone's pool is its share, lowered to the budget
-    the parent requested for it when it asked for less.
+    The parent keeps a reserve for its own continuation: an equal ``1 / (k + 1)`` share of
+    its remaining pool, but never more than ``own_left``, the tokens it may still generate
+    itself (a reserve it could not spend would starve its clones, and theirs, for nothing).
+    The ``k`` clones split the rest equally; a clone's pool is its share, lowered to the
+    budget the parent requested for it when it asked for less.
     """
-    share = pool_left // (len(requested) + 1)
+    k = len(requested)
+    if k == 0:
+        return []
+    reserve = pool_left // (k + 1)
+    if own_left is not None:
+        reserve = min(reserve, max(0, own_left))
+    share = (pool_left - reserve) // k
     return [share if r is None else min(r, share) for r in requested]
 
 

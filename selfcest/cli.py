@@ -116,11 +116,16 @@ def train() -> None:
     _hydra_app("train", _train)
 
 
-def sft() -> None:
-    """selfcest-sft: supervised warm start on protocol traces."""
-    from selfcest.train.sft import run_sft_from_config
+def _sft(cfg: DictConfig) -> None:
+    from selfcest.train.sft import run_warm_start
 
-    _hydra_app("sft", run_sft_from_config)
+    run_warm_start(to_train_config(cfg))
+
+
+def sft() -> None:
+    """selfcest-sft: the ``warm_start`` section of a training config alone; the policy is
+    saved to ``<trainer.output_dir>/sft`` (train from it with ``model.name=<that folder>``)."""
+    _hydra_app("train", _sft)
 
 
 def evaluate() -> None:

@@ -189,7 +189,13 @@ class ClonePolicy:
         gguf = next(folder.glob("*.gguf"), None)
         if gguf is None:
             raise FileNotFoundError(f"no .gguf file in {folder}")
-        return cls.from_pretrained(folder, protocol=protocol, gguf_file=gguf.name, **kwargs)
+        policy = cls.from_pretrained(folder, protocol=protocol, gguf_file=gguf.name, **kwargs)
+        # transformers dequantizes a GGUF file to plain fp32 weights but keeps the model marked
+        # as quantized, which refuses save_pretrained (and so every checkpoint)
+        policy.model.hf_quantizer = None
+        if getattr(policy.model.config, "quantization_config", None) is not None:
+            del policy.model.config.quantization_config
+        return policy
 
     def save_pretrained(self, path: str | Path, merge_lora: bool = True) -> None:
         """Save model (LoRA merged into a copy, unless ``merge_lora=False``), tokenizer, protocol."""

@@ -34,6 +34,15 @@ def test_allowance_bounds_every_call():
 def test_clone_pools_keep_a_share_for_the_parent():
     # 100 tokens left, 3 clones: shares of 100 // 4 = 25; a request for 10 is honoured, 40 is clamped
     assert clone_pools(100, [None, 10, 40]) == [25, 10, 25]
+    assert clone_pools(100, []) == []
+
+
+def test_the_parent_reserves_no_more_than_it_can_generate():
+    # 1000 left, 2 clones: an equal reserve would be 333, but the parent may only generate 40
+    # more tokens itself, so the clones split the other 960
+    assert clone_pools(1000, [None, None], own_left=40) == [480, 480]
+    assert clone_pools(1000, [None, None], own_left=500) == [333, 333]
+    assert clone_pools(1000, [None, 100], own_left=0) == [500, 100]
     assert clone_allowance(25, None, clone_cap=16).cap == 16
     assert clone_allowance(25, 8, clone_cap=16).cap == 8
     assert clone_allowance(5, None, clone_cap=16).cap == 5

@@ -16,9 +16,10 @@ arguments override them. Steps, each timed, outputs under ``runs/<name>/``:
 3. arm B, monolithic: GRPO from the same warm start on the same tasks with the lists
    printed in the prompt, spawning disabled, the same reward minus its clone terms, the
    same steps, prompts and trees per prompt;
-4. evaluation at matched total-token budgets, in distribution and out of distribution:
-   clones (A), monolithic (B), self-consistency over k samples of B, and both styles of
-   the warm start alone (the SFT starting points);
+4. each arm's held-out reward against its own SFT start, sampled as in training (the
+   quantity RL optimises, on tasks it never saw); then the evaluation at matched
+   total-token budgets, in distribution and out of distribution: clones (A), monolithic
+   (B), self-consistency over k samples of B, and both styles of the warm start alone;
 5. ``report.md``: tables with confidence intervals, Pareto plots, training curves, the
    frontier verdicts and example trees (text, and ``trace.html``).
 
@@ -31,8 +32,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import random
+import shutil
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -43,6 +47,7 @@ from selfcest.rollout.backends.base import SamplingParams
 from selfcest.tasks import load_tasks
 from selfcest.tasks.keyed_sum import inline_view
 from selfcest.train.config import TrainConfig
+from selfcest.train.sft import held_out_tasks
 from selfcest.train.sft import warm_start
 from selfcest.train.trainer import GRPOTrainer, build_policy, build_reward
 
@@ -51,14 +56,35 @@ from selfcest.train.trainer import GRPOTrainer, build_policy, build_reward
 class EvalSettings:
     """The evaluation sweep (not part of a training config)."""
 
-    budgets: tuple[int, ...] = (96, 160, 256, 512)  # total generated tokens per task
+    budgets: tuple[int, ...] = (128, 256, 512, 1024)  # total generated tokens per task
     tasks_per_split: int = 100  # held-out tasks per split (in distribution, OOD)
     sc_samples: int = 4  # k of self-consistency
     bootstrap: int = 1000  # resamples per confidence interval
+    # Trees per held-out task when measuring each arm's reward at its training temperature.
+    reward_samples: int = 4
 
 
 FULL = EvalSettings()
-QUICK = EvalSettings(budgets=(160, 512), tasks_per_split=32, bootstrap=200)
+QUICK = EvalSettings(budgets=(256, 1024), tasks_per_split=48, bootstrap=200)
+
+
+@dataclass
+class HeldOut:
+    """One policy's held-out reward and accuracy under the training sampling and budget."""
+
+    reward: list[float]  # per task, mean over its samples
+    accuracy: list[float]  # per task, fraction of correct samples
+
+    def difference(self, start: HeldOut, resamples: int = 2000, seed: int = 0) -> dict[str, float]:
+        """Mean paired reward difference (self − start) over tasks, with a 95% bootstrap CI."""
+        diffs = [a - b for a, b in zip(self.reward, start.reward)]
+        rng = random.Random(seed)
+        means = sorted(statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(resamples))
+        return {"reward": statistics.fmean(self.reward), "start": statistics.fmean(start.reward),
+                "difference": statistics.fmean(diffs), "low": means[int(0.025 * resamples)],
+                "high": means[int(0.975 * resamples) - 1],
+                "accuracy": statistics.fmean(self.accuracy),
+                "start_accuracy": statistics.fmean(start.accuracy)}
 
 
 def compose(experiment: str, overrides: list[str]) -> TrainConfig:
@@ -73,14 +99,27 @@ def compose(experiment: str, overrides: list[str]) -> TrainConfig:
         return to_train_config(hydra_compose("train", overrides=[f"experiment={experiment}", *overrides]))
 
 
+def monolithic_view(config: TrainConfig):
+    """How the monolithic arm sees a task: keyed_sum with its lists printed in the prompt
+    (keys alone would leave it nothing to read); any other task as it is."""
+    return inline_view if config.task.name == "keyed_sum" else None
+
+
+def _view(config: TrainConfig, tasks: list) -> list:
+    view = monolithic_view(config)
+    return [view(task) for task in tasks] if view else list(tasks)
+
+
 def monolithic_twin(config: TrainConfig) -> TrainConfig:
-    """Arm B: spawning disabled, the lists printed in the prompt, the clone cost terms off."""
+    """Arm B: spawning disabled, the task seen through `monolithic_view`, the clone cost
+    terms off."""
     twin = copy.deepcopy(config)
     twin.name = f"{config.name}-monolithic"
     twin.rollout.budget.max_depth = 0
     params = twin.task.params
-    for split in ("train", "ood"):
-        params[split] = {**dict(params.get(split) or {}), "inline": True}
+    if config.task.name == "keyed_sum":
+        for split in ("train", "ood"):
+            params[split] = {**dict(params.get(split) or {}), "inline": True}
     cost = dict(twin.task.reward_params.get("cost") or {})
     if cost:
         cost.update(clone_length=None, spawn_calls=None, per_clone=0.0)
@@ -92,6 +131,7 @@ def train_arm(config: TrainConfig, start: Path, output: Path) -> tuple[ClonePoli
     """GRPO from the warm-start policy saved at ``start``; the trained policy is saved."""
     config = copy.deepcopy(config)
     config.model.name = str(start)
+    config.model.gguf_file = None  # the warm start is saved as a plain transformers folder
     config.trainer.output_dir = str(output)
     config.warm_start.tasks = {}  # the shared warm start already happened
     trainer = GRPOTrainer(config)
@@ -103,8 +143,16 @@ def train_arm(config: TrainConfig, start: Path, output: Path) -> tuple[ClonePoli
     return trainer.policy, history
 
 
-def run(config: TrainConfig, settings: EvalSettings, log=print) -> dict:
-    """All five steps; returns the timings and where everything was written."""
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def run(config: TrainConfig, settings: EvalSettings, log=say, warm_started: Path | None = None) -> dict:
+    """All five steps; returns the timings and where everything was written.
+
+    ``warm_started``: a policy folder from an earlier run's warm start (``runs/<name>/sft``)
+    to start both arms from instead of running step 1 again.
+    """
     out = Path(config.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -112,12 +160,20 @@ def run(config: TrainConfig, settings: EvalSettings, log=print) -> dict:
         torch.set_num_threads(config.trainer.cpu_threads)
 
     start = time.perf_counter()
-    policy = build_policy(config)
-    sft_log = open(out / "sft.jsonl", "w")
-    warm_start(policy, config.warm_start,
-               log=lambda step, m: sft_log.write(json.dumps({"step": step, **m}) + "\n"))
-    sft_log.close()
-    policy.save_pretrained(out / "sft")
+    if warm_started is None:
+        policy = build_policy(config)
+        steps = config.warm_start.sft.steps
+
+        def progress(step: int, metrics: dict) -> None:
+            if step % max(1, steps // 10) == 0 or step == steps:
+                log(f"warm start: SFT step {step}/{steps}, loss {metrics['sft/loss']:.3f}")
+
+        history = warm_start(policy, config, held_out_tasks(config), log=progress)
+        policy.save_pretrained(out / "sft")
+        with open(out / "sft" / "sft.jsonl", "w") as sft_log:
+            sft_log.writelines(json.dumps({"step": n, **m}) + "\n" for n, m in enumerate(history, 1))
+    elif Path(warm_started).resolve() != (out / "sft").resolve():
+        shutil.copytree(warm_started, out / "sft", dirs_exist_ok=True)
     timings["warm start (SFT)"] = time.perf_counter() - start
     log(f"warm start done in {timings['warm start (SFT)']:.0f}s")
 
@@ -133,17 +189,57 @@ def run(config: TrainConfig, settings: EvalSettings, log=print) -> dict:
     log(f"arm B (monolithic) done in {timings['GRPO, monolithic']:.0f}s")
 
     mark = time.perf_counter()
-    results = evaluate_arms(config, settings, ClonePolicy.from_pretrained(out / "sft"), clones, mono,
-                            out / "eval")
+    sft = ClonePolicy.from_pretrained(out / "sft")
+    tasks = evaluation_splits(config, settings)["in-distribution"]
+    heldout = {
+        "clones": held_out(config, clones, tasks, settings).difference(held_out(config, sft, tasks, settings)),
+        "monolithic": held_out(twin, mono, _view(config, tasks), settings).difference(
+            held_out(twin, sft, _view(config, tasks), settings)),
+    }
+    (out / "heldout.json").write_text(json.dumps(heldout, indent=2))
+    timings["held-out reward"] = time.perf_counter() - mark
+    log(f"held-out reward: {json.dumps(heldout)}")
+
+    mark = time.perf_counter()
+    results = evaluate_arms(config, settings, sft, clones, mono, out / "eval")
     timings["evaluation"] = time.perf_counter() - mark
     log(f"evaluation done in {timings['evaluation']:.0f}s")
 
     from selfcest.experiments.report import write_repro_report
 
     timings["total"] = time.perf_counter() - start
-    report = write_repro_report(out, config, twin, settings, results, clones_history, mono_history, timings)
+    report = write_repro_report(out, config, twin, settings, results, heldout, clones_history,
+                                mono_history, timings)
     log(f"report: {report}")
-    return {"timings": timings, "report": str(report), "results": results}
+    return {"timings": timings, "report": str(report), "results": results, "heldout": heldout}
+
+
+def evaluation_splits(config: TrainConfig, settings: EvalSettings) -> dict[str, list]:
+    """The first ``tasks_per_split`` tasks of the held-out splits (``task.eval_params``, and
+    ``task.ood_params`` when given); neither the warm start nor RL ever sees them."""
+    task = config.task
+    n = settings.tasks_per_split
+    splits = {"in-distribution": task.eval_params, "out-of-distribution": task.ood_params}
+    return {name: load_tasks(task.name, **{**task.params, **overrides})[:n]
+            for name, overrides in splits.items() if overrides}
+
+
+def held_out(config: TrainConfig, policy: ClonePolicy, tasks: list, settings: EvalSettings) -> HeldOut:
+    """The policy's reward on held-out tasks as training samples it: same temperature, same
+    budget, ``reward_samples`` trees per task (what RL optimises, measured on new tasks)."""
+    from selfcest.rewards.base import score_trees
+
+    rollout = config.rollout
+    engine = policy.engine(rollout.budget, SamplingParams(rollout.temperature, rollout.top_p, rollout.top_k),
+                           seed=config.trainer.seed + 1)
+    trees = engine.rollout(tasks, samples_per_task=settings.reward_samples)
+    score_trees(trees, tasks, build_reward(config))
+    reward, accuracy = [], []
+    for i in range(len(tasks)):
+        group = [t for t in trees if t.task_index == i]
+        reward.append(statistics.fmean(t.reward for t in group))
+        accuracy.append(statistics.fmean(float(t.correct) for t in group))
+    return HeldOut(reward, accuracy)
 
 
 def evaluate_arms(config: TrainConfig, settings: EvalSettings, sft: ClonePolicy, clones: ClonePolicy,
@@ -151,22 +247,18 @@ def evaluate_arms(config: TrainConfig, settings: EvalSettings, sft: ClonePolicy,
     """Every method at every budget on the held-out in-distribution and OOD tasks."""
     from selfcest.eval.evaluate import Method, evaluate
 
-    params = dict(config.task.params)
-    n = settings.tasks_per_split
-    splits = {
-        "in-distribution": load_tasks(config.task.name, **{**params, "split": "test"})[:n],
-        "out-of-distribution": load_tasks(config.task.name, **{**params, "split": "ood"})[:n],
-    }
+    splits = evaluation_splits(config, settings)
     base: Budget = config.rollout.budget
+    view = monolithic_view(config)
     mono_budget = Budget(**{**vars(base), "max_depth": 0})
     methods = [
         Method("clones", "clones", budget=base, policy=clones),
         Method(f"sc@{settings.sc_samples}", "self_consistency", budget=mono_budget,
-               samples=settings.sc_samples, task_view=inline_view, policy=mono,
+               samples=settings.sc_samples, task_view=view, policy=mono,
                sampling=SamplingParams(temperature=1.0)),
-        Method("monolithic", "monolithic", budget=mono_budget, task_view=inline_view, policy=mono),
+        Method("monolithic", "monolithic", budget=mono_budget, task_view=view, policy=mono),
         Method("clones (SFT start)", "clones", budget=base, policy=sft),
-        Method("monolithic (SFT start)", "monolithic", budget=mono_budget, task_view=inline_view,
+        Method("monolithic (SFT start)", "monolithic", budget=mono_budget, task_view=view,
                policy=sft),
     ]
     reward = build_reward(config)
@@ -178,10 +270,22 @@ def evaluate_arms(config: TrainConfig, settings: EvalSettings, sft: ClonePolicy,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the CI-sized variant (cpu_repro_quick)")
+    parser.add_argument("--experiment", default="cpu_repro",
+                        help="another configs/experiment/ file to run through the same pipeline")
+    parser.add_argument("--warm-started", type=Path, metavar="DIR",
+                        help="reuse the warm start of an earlier run (its runs/<name>/sft folder)")
+    parser.add_argument("--budgets", type=int, nargs="+", help="evaluation budgets (total tokens per task)")
+    parser.add_argument("--tasks-per-split", type=int, help="held-out tasks per split")
+    parser.add_argument("--sc-samples", type=int, help="k of self-consistency")
+    parser.add_argument("--reward-samples", type=int, help="trees per task for the held-out reward")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.steps=40")
     args = parser.parse_args(argv)
-    config = compose("cpu_repro_quick" if args.quick else "cpu_repro", args.overrides)
-    run(config, QUICK if args.quick else FULL)
+    config = compose("cpu_repro_quick" if args.quick else args.experiment, args.overrides)
+    settings = QUICK if args.quick else FULL
+    changes = {"budgets": tuple(args.budgets) if args.budgets else None, "tasks_per_split": args.tasks_per_split,
+               "sc_samples": args.sc_samples, "reward_samples": args.reward_samples}
+    settings = replace(settings, **{key: value for key, value in changes.items() if value is not None})
+    run(config, settings, warm_started=args.warm_started)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 from selfcest.eval.pareto import compare_frontiers
 from selfcest.eval.results import CellResult, EvalResults
 from selfcest.eval.view import read_trees, render_html
+from selfcest.policy import SIZES
 from selfcest.train.config import TrainConfig
 
 CLONES, MONO, CLONES_SFT, MONO_SFT = "clones", "monolithic", "clones (SFT start)", "monolithic (SFT start)"
@@ -60,9 +61,26 @@ def _fmt_cell(cell: CellResult) -> str:
             f"{cell.total_tokens.value:.0f} tokens, critical path {cell.critical_path_tokens.value:.0f}")
 
 
+def _model_line(config: TrainConfig) -> str:
+    if config.model.name in SIZES:
+        return (f"- Model: `{config.model.name}` Qwen2 built locally, random init "
+                f"(seed {config.model.init_seed}); tokenizer trained in memory.")
+    return f"- Model: `{config.model.name}` (pretrained), protocol `{config.model.protocol}`."
+
+
+def _task_line(config: TrainConfig) -> str:
+    task = config.task
+    if task.name == "keyed_sum":
+        return (f"- Task: `keyed_sum` {json.dumps(task.params.get('train'))}; the clone arm's root "
+                f"sees keys only, the monolithic arm reads the lists inline. OOD: "
+                f"{json.dumps(task.params.get('ood'))}.")
+    return (f"- Task: `{task.name}` {json.dumps(task.params)}; both arms see the same prompts. "
+            f"In distribution: {json.dumps(task.eval_params)}; OOD: {json.dumps(task.ood_params)}.")
+
+
 def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settings, results: EvalResults,
-                       clones_history: list[dict], mono_history: list[dict],
-                       timings: dict[str, float]) -> Path:
+                       heldout: dict[str, dict[str, float]], clones_history: list[dict],
+                       mono_history: list[dict], timings: dict[str, float]) -> Path:
     eval_dir = out / "eval"
     splits = list(results.splits)
     training_budget = config.rollout.budget.tree_generation
@@ -80,11 +98,8 @@ def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settin
         "",
         "## Setup",
         "",
-        f"- Model: `{config.model.name}` Qwen2 built locally, random init "
-        f"(seed {config.model.init_seed}); tokenizer trained in memory.",
-        f"- Task: `{config.task.name}` {json.dumps(config.task.params.get('train'))}; the clone "
-        f"arm's root sees keys only, the monolithic arm reads the lists inline. OOD: "
-        f"{json.dumps(config.task.params.get('ood'))}.",
+        _model_line(config),
+        _task_line(config),
         f"- Per-node budgets (both arms): generation {config.rollout.budget.node_generation}, "
         f"context {config.rollout.budget.node_context} tokens; training tree budget "
         f"{training_budget} tokens.",
@@ -106,8 +121,19 @@ def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settin
         "",
         "## Findings",
         "",
-        f"RL against its own SFT start, at the training budget ({budget} tokens), paired over "
-        "the same tasks:",
+        f"Held-out reward as RL optimises it (training temperature "
+        f"{config.rollout.temperature}, training budget, {settings.reward_samples} samples per "
+        f"task, {settings.tasks_per_split} in-distribution tasks never trained on), after RL "
+        "against the arm's own SFT start, paired over tasks:",
+        "",
+        "| arm | reward after RL | SFT start | difference [95% CI] | accuracy after RL | SFT start |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *[f"| {arm} | {h['reward']:.3f} | {h['start']:.3f} | {h['difference']:+.3f} "
+          f"[{h['low']:+.3f}, {h['high']:+.3f}] | {h['accuracy']:.2f} | {h['start_accuracy']:.2f} |"
+          for arm, h in heldout.items()],
+        "",
+        f"Greedy accuracy at the training budget ({budget} tokens) against the SFT start, "
+        "paired over the same tasks:",
         "",
         "| arm | split | after RL | SFT start | difference [95% CI] |",
         "| --- | --- | --- | --- | --- |",
@@ -128,6 +154,17 @@ def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settin
         for split in splits:
             lines.append(f"| clones | {other} | {split} | {'yes' if total[split] else 'no'} | "
                          f"{'yes' if critical[split] else 'no'} |")
+    sc = f"sc@{settings.sc_samples}"
+    lines += ["", "Accuracy at each matched total-token budget, and the clone arm's lead over each "
+              "baseline (paired over tasks, 95% CI):", "",
+              f"| split | budget | clones | monolithic | {sc} | clones − monolithic | clones − {sc} |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for split in splits:
+        for each in results.budgets:
+            leads = [paired_difference(results, eval_dir, CLONES, other, each, split) for other in (MONO, sc)]
+            accuracy = [results.cell(m, each, split).accuracy.value for m in (CLONES, MONO, sc)]
+            lines.append(f"| {split} | {each} | " + " | ".join(f"{a:.2f}" for a in accuracy) + " | "
+                         + " | ".join(f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}]" for d, lo, hi in leads) + " |")
     lines += ["", "At the training budget:", ""]
     for split in splits:
         for method in results.methods:
@@ -146,10 +183,10 @@ def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settin
         "",
         "## Evidence",
         "",
-        f"- Pareto plots: [total tokens](eval/pareto_total_tokens.png), "
-        f"[critical path](eval/pareto_critical_path.png)",
+        "- Pareto plots: [total tokens](eval/pareto_total_tokens.png), "
+        "[critical path](eval/pareto_critical_path.png)",
         f"- Training curves: [{curves.name}]({curves.name}); metrics in "
-        "`clones/metrics.jsonl`, `monolithic/metrics.jsonl`, `sft.jsonl`",
+        "`clones/metrics.jsonl`, `monolithic/metrics.jsonl`, `sft/sft.jsonl`",
         "- Every evaluated tree: `eval/trees/*.jsonl` (`selfcest-view FILE -o page.html`); "
         "a sample: [eval/trace.html](eval/trace.html)",
         "",

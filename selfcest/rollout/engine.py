@@ -231,7 +231,8 @@ class RolloutEngine:
             return
         verdicts = self._admit(run, node, parsed)
         accepted = [(i, req, prompt) for i, (req, prompt, error) in enumerate(verdicts) if not error]
-        pools = clone_pools(allowance.pool_left, [req.max_tokens for _, req, _ in accepted])
+        pools = clone_pools(allowance.pool_left, [req.max_tokens for _, req, _ in accepted],
+                            own_left=allowance.cap - allowance.own)
         refusals = [error for _, _, error in verdicts]
         children = []
         for (i, request, prompt), pool in zip(accepted, pools):

@@ -14,7 +14,8 @@ aime       path (CSV), split ("train" | "test"), test_fraction (0.1), seed (42)
 math_hard  root (folder with train/ and test/), split
 2wiki      path (one split file)
 musique    path (one split file)
-gym        dataset (a reasoning-gym name), size, seed (0), any dataset config field
+gym        dataset (a reasoning-gym name), size, seed (0), split ("train" | "test" | "ood":
+           seeds a million apart), any dataset config field
 ========== =====================================================================
 
 The loaders of each source import lazily: the synthetic tasks use `selfcest.protocol`
@@ -25,6 +26,7 @@ reasoning-gym and pyarrow are only needed by the sources that read them.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -105,10 +107,17 @@ def _musique(path: str | Path) -> list[Task]:
     return load_musique(path)
 
 
-def _gym(dataset: str, size: int, seed: int = 0, **config: Any) -> list[Task]:
+# reasoning-gym datasets are procedural, with no splits: a split is a far-apart seed range
+# (entry i of a dataset is drawn with seed + i).
+_GYM_SPLIT_SEEDS = {"train": 0, "test": 1_000_000, "ood": 2_000_000}
+
+
+def _gym(dataset: str, size: int, seed: int = 0, split: str = "train", **config: Any) -> list[Task]:
     from selfcest.tasks.gym import gym_tasks
 
-    return gym_tasks(dataset, size, seed, **config)
+    if split not in _GYM_SPLIT_SEEDS:
+        raise ValueError(f"gym split must be one of {', '.join(_GYM_SPLIT_SEEDS)}, got {split!r}")
+    return gym_tasks(dataset, size, seed + _GYM_SPLIT_SEEDS[split], **config)
 
 
 def _mix(sources: list[Mapping[str, Any]]) -> list[Task]:
@@ -117,7 +126,8 @@ def _mix(sources: list[Mapping[str, Any]]) -> list[Task]:
         unknown = set(source) - {"name", "params", "repeat"}
         if "name" not in source or unknown:
             raise ValueError(f"mix source {n}: expected {{name, params, repeat}}, got {dict(source)}")
-        loaded = load_tasks(source["name"], **dict(source.get("params") or {}))
+        loaded = [replace(task, id=f"{n}/{task.id}")
+                  for task in load_tasks(source["name"], **dict(source.get("params") or {}))]
         tasks += loaded * int(source.get("repeat", 1))
     return tasks
 

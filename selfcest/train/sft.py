@@ -4,6 +4,11 @@ Every node of every demonstration tree becomes one sequence: its full context, w
 loss on the tokens the node itself "sampled" (its own turns) and none on the prompt or on
 injected returns and notices. The same code warm-starts a tiny model from scratch or a
 pretrained one on a protocol it has not seen.
+
+For the tiny models of the CPU experiment, optimizer steps matter more than tokens per
+step: the skills a demonstration teaches (reading the k-th number of a list, adding a digit
+to a running total) appear after a few hundred updates, whatever the batch (measured: 2000
+steps of 16 sequences beat 500 steps of 64), so the defaults take many small steps.
 """
 
 from __future__ import annotations
@@ -11,74 +16,107 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from selfcest.algo.advantages import Advantages
 from selfcest.algo.losses import token_logprobs
 from selfcest.policy import ClonePolicy
-from selfcest.train.batching import TrainingSample, collate, make_micro_batches, samples_from_trees
+from selfcest.train.batching import MicroBatch, TrainingSample, collate, make_micro_batches, samples_from_trees
+from selfcest.tasks.base import Task
 from selfcest.tree import CloneTree
 
 
 @dataclass
 class SFTConfig:
-    """Supervised training settings; batch units are tokens."""
+    """Supervised training settings; batch units are sequences (one per node) and tokens."""
 
     # Optimizer steps.
-    steps: int = 300
+    steps: int = 1500
     # Sequences per optimizer step, drawn without replacement (reshuffled every epoch).
-    sequences_per_step: int = 64
+    sequences_per_step: int = 16
     # Padded tokens one micro-batch may hold (gradients accumulate over micro-batches).
     tokens_per_micro_batch: int = 8192
-    # AdamW learning rate (peak), warmup steps, then cosine decay to 10% of the peak.
+    # AdamW peak learning rate; linear warmup over `warmup_steps`, then cosine decay to
+    # `final_lr_fraction` of the peak at the last step.
     lr: float = 3e-3
     warmup_steps: int = 20
+    final_lr_fraction: float = 0.1
     weight_decay: float = 0.0
     # Gradient-norm clip (0 = off).
     max_grad_norm: float = 1.0
+    # Times each node that spawned clones appears per epoch (1 = as often as any node).
+    # Those nodes do the rarest job of a tree, adding their clones' answers; leaves, which
+    # outnumber them, learn their job long before.
+    spawner_repeats: int = 1
+    # Seed of the sequence order.
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("steps", "sequences_per_step", "tokens_per_micro_batch", "spawner_repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.final_lr_fraction <= 1:
+            raise ValueError("sft.lr must be > 0, warmup_steps >= 0, final_lr_fraction in [0, 1]")
 
-def sft_samples(trees: Sequence[CloneTree]) -> list[TrainingSample]:
-    """One sample per node with sampled tokens; advantage 1 (plain likelihood)."""
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of the peak learning rate at optimizer step ``step`` (from 0)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps))
+        low = self.final_lr_fraction
+        return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def sft_samples(trees: Sequence[CloneTree], spawner_repeats: int = 1) -> list[TrainingSample]:
+    """One sample per node with sampled tokens, advantage 1 (plain likelihood); a node that
+    spawned clones is listed ``spawner_repeats`` times."""
     ones = Advantages(
         per_tree=[{node_id: 1.0 for node_id in tree.nodes} for tree in trees],
         keep=[True] * len(trees),
         metrics={},
     )
-    return samples_from_trees(trees, ones)
+    samples = []
+    for sample in samples_from_trees(trees, ones):
+        spawned = bool(trees[sample.tree_id].nodes[sample.node_id].spawns)
+        samples += [sample] * (spawner_repeats if spawned else 1)
+    return samples
+
+
+def sft_loss(model, batch: MicroBatch) -> torch.Tensor:
+    """Negative log-likelihood of the sampled tokens, weighted by ``batch.token_weights``
+    (zero on prompt, return, notice and padding tokens, so those never get a gradient)."""
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=positions).logits
+    return -(token_logprobs(logits, batch.input_ids) * batch.token_weights).sum()
 
 
 def train_sft(
     policy: ClonePolicy,
     trees: Sequence[CloneTree],
     config: SFTConfig,
-    log=None,
+    log: Callable[[int, dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
     """Fit ``policy`` to the demonstration ``trees``; returns per-step metrics.
 
-    ``log(step, metrics)`` is called after each step when given.
+    Each step's loss is the mean over the step's sampled tokens. ``log(step, metrics)`` is
+    called after each step when given. The model is left in eval mode.
     """
-    samples = sft_samples(trees)
+    samples = sft_samples(trees, config.spawner_repeats)
     if not samples:
         raise ValueError("no demonstration tokens to train on")
     model = policy.model
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-
-    def schedule(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_factor)
     device = next(model.parameters()).device
-    order: list[int] = []
+    pad_id = policy.tokenizer.pad_token_id
     rng = random.Random(config.seed)
+    order: list[int] = []
     history = []
     model.train()
     for step in range(config.steps):
@@ -93,11 +131,7 @@ def train_sft(
         total_loss = 0.0
         for micro in make_micro_batches([s.length for s in batch], config.tokens_per_micro_batch):
             rows = [batch[i] for i in micro]
-            mb = collate(rows, [1.0 / tokens] * len(rows), policy.tokenizer.pad_token_id).to(device)
-            positions = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                           position_ids=positions).logits
-            loss = -(token_logprobs(logits, mb.input_ids) * mb.token_weights).sum()
+            loss = sft_loss(model, collate(rows, [1.0 / tokens] * len(rows), pad_id).to(device))
             loss.backward()
             total_loss += loss.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm or float("inf"))
@@ -114,10 +148,53 @@ def train_sft(
     return history
 
 
-def warm_start(policy: ClonePolicy, config, log=None) -> list[dict[str, float]]:
-    """Build the demonstrations a `WarmStartConfig` describes and fit ``policy`` to them."""
+def warm_start(
+    policy: ClonePolicy,
+    config,
+    exclude: Sequence[Task] = (),
+    log: Callable[[int, dict[str, float]], None] | None = None,
+) -> list[dict[str, float]]:
+    """Build the demonstrations the ``warm_start`` section of a `TrainConfig` describes
+    (leaving out any task of ``exclude``) and fit ``policy`` to them; returns per-step
+    metrics."""
     from selfcest.train.traces import demonstrations
 
-    trees = demonstrations(config.tasks, config.teacher, dict(config.teacher_params),
-                           policy.protocol, config.budget, config.delegator_repeat)
-    return train_sft(policy, trees, config.sft, log=log)
+    section = config.warm_start
+    trees = demonstrations(section.tasks, section.teacher, section.teacher_params, policy.protocol,
+                           section.budget or config.rollout.budget, exclude)
+    return train_sft(policy, trees, section.sft, log=log)
+
+
+def run_warm_start(config) -> Path:
+    """``selfcest-sft``: validate a `TrainConfig`, warm-start its model as its ``warm_start``
+    section says (leaving out its evaluation tasks), and save the policy and the loss curve
+    (``sft.jsonl``) under ``<trainer.output_dir>/sft``; returns that folder."""
+    import json
+
+    from selfcest.train.config import ConfigError, validate
+    from selfcest.train.trainer import build_policy
+
+    validate(config)
+    if not config.warm_start.tasks:
+        raise ConfigError("warm_start.tasks is empty: give a task source for the teacher to demonstrate")
+    out = Path(config.trainer.output_dir) / "sft"
+    out.mkdir(parents=True, exist_ok=True)
+    if config.trainer.cpu_threads:
+        torch.set_num_threads(config.trainer.cpu_threads)
+    policy = build_policy(config)
+    with open(out / "sft.jsonl", "w") as log:
+        warm_start(policy, config, held_out_tasks(config),
+                   log=lambda step, m: log.write(json.dumps({"step": step, **m}) + "\n"))
+    policy.save_pretrained(out)
+    return out
+
+
+def held_out_tasks(config) -> list[Task]:
+    """A `TrainConfig`'s held-out tasks, which a warm start must not demonstrate: its
+    evaluation split (``task.params`` updated by ``task.eval_params``; none when that is empty,
+    as the evaluation then reads the training split) and its OOD split (``task.ood_params``)."""
+    from selfcest.tasks import load_tasks
+
+    task = config.task
+    return [held for overrides in (task.eval_params, task.ood_params) if overrides
+            for held in load_tasks(task.name, **{**task.params, **overrides})]

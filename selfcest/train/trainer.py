@@ -60,9 +60,9 @@ from selfcest.train.batching import (
     split_for_optimizer_steps,
 )
 from selfcest.train.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
-from selfcest.train.config import ConfigError, TrainConfig, validate
+from selfcest.train.config import SMOLLM2, ConfigError, TrainConfig, validate
 from selfcest.train.logging import RunLogger
-from selfcest.train.sft import warm_start
+from selfcest.train.sft import held_out_tasks, warm_start
 from selfcest.tree import CloneTree
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -102,6 +102,9 @@ def build_policy(config: TrainConfig) -> ClonePolicy:
 
             policy.model = apply_lora(policy.model, model.lora)
         return policy
+    if model.name == SMOLLM2:
+        return ClonePolicy.from_smollm2(protocol=model.protocol, lora=model.lora, dtype=DTYPES[model.dtype],
+                                        root_system=model.root_system, clone_system=model.clone_system)
     kwargs = {"gguf_file": model.gguf_file} if model.gguf_file else {}
     return ClonePolicy.from_pretrained(
         model.name, protocol=model.protocol, lora=model.lora, dtype=DTYPES[model.dtype],
@@ -208,7 +211,7 @@ class GRPOTrainer:
         out = Path(self.config.trainer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "sft.jsonl", "w") as log:
-            warm_start(self.policy, self.config.warm_start,
+            warm_start(self.policy, self.config, held_out_tasks(self.config),
                        log=lambda step, m: log.write(json.dumps({"step": step, **m}) + "\n"))
         self.backend.sync_weights(self._unwrapped)
 

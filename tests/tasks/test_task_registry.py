@@ -22,6 +22,14 @@ def test_arithmetic_and_gym_by_name():
     assert len(load_tasks("gym", dataset="chain_sum", size=2, seed=1)) == 2
 
 
+def test_gym_splits_are_distinct_seed_ranges():
+    train, test = (load_tasks("gym", dataset="chain_sum", size=20, split=split) for split in ("train", "test"))
+    assert train == load_tasks("gym", dataset="chain_sum", size=20, seed=0)
+    assert {t.prompt for t in train}.isdisjoint({t.prompt for t in test})
+    with pytest.raises(ValueError, match="gym split"):
+        load_tasks("gym", dataset="chain_sum", size=2, split="dev")
+
+
 def test_unknown_name_and_arguments():
     with pytest.raises(ValueError, match="unknown task source 'nope'"):
         load_tasks("nope")
@@ -50,3 +58,17 @@ def test_load_jsonl_names_the_bad_line(tmp_path):
         path.write_text(json.dumps(good) + "\n" + bad + "\n")
         with pytest.raises(MalformedRowError, match=message):
             load_jsonl(path)
+
+
+def test_mix_keeps_sources_apart_and_repeats():
+    sources = [
+        {"name": "keyed_sum", "params": {"split": "train", "n_train": 3, "n_test": 0, "n_ood": 0}},
+        {"name": "keyed_sum", "params": {"split": "train", "n_train": 2, "n_test": 0, "n_ood": 0,
+                                         "train": {"num_keys": 2}}, "repeat": 2},
+    ]
+    tasks = load_tasks("mix", sources=sources)
+    assert len(tasks) == 3 + 2 * 2
+    assert len({t.id for t in tasks[:5]}) == 5  # same generator, different sources: distinct ids
+    assert tasks[0].id.startswith("0/") and tasks[3].id.startswith("1/")
+    with pytest.raises(ValueError, match="mix source 0"):
+        load_tasks("mix", sources=[{"params": {}}])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import textwrap
 
-import pytest
 import torch
 
 from selfcest.budget import Budget

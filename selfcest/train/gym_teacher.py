@@ -1,0 +1,159 @@
+"""A scripted teacher for reasoning-gym ``chain_sum`` tasks, in the tool-call protocol.
+
+`ChainSumTeacher` plays every agent of a clone tree for tasks made by
+``load_tasks("gym", dataset="chain_sum", ...)`` (questions such as ``State the final answer to
+the following arithmetic problem: 15 - 43 - 75 + 8 =``), writing turns for
+`selfcest.protocol.ToolCallProtocol` (Hermes ``<tool_call>`` JSON calling ``spawn_clone``),
+as SmolLM2-135M-Instruct or ``ClonePolicy.build_tiny(protocol="tool")`` render them. Like
+`selfcest.train.traces.KeyedSumTeacher` it maps a node's prompt text to its next turn; build
+demonstrations with `selfcest.train.traces.teacher_trees` or a ``warm_start`` config section
+(``teacher: chain_sum``, once the name is registered in ``traces.TEACHERS``).
+
+A root that sees an expression of at least ``min_delegate_terms`` terms delegates with
+probability ``delegate``: it cuts the terms into two contiguous halves and spawns one clone
+per half, each with a self-contained objective. The second half is copied as written, with
+the operator in front of it folded into its first number, so the root's answers simply add
+up::
+
+    <tool_call>
+    {"name": "spawn_clone", "arguments": {"objectives": ["Compute 15 - 43", "Compute -75 + 8"]}}
+    </tool_call>
+    ... the clones answer -28 and -67; the root resumes after the tool response:
+    -28 - 67 = -95
+    Answer: -95<|im_end|>
+
+Otherwise (and always in a clone) the node solves its expression directly with a short
+running computation, one operation per line::
+
+    15 - 43 = -28
+    -28 - 75 = -103
+    -103 + 8 = -95
+    Answer: -95<|im_end|>
+
+Every turn that ends a node's work ends with ``end`` (the chat template's end-of-turn text;
+``<|im_end|>`` for SmolLM2 and the tiny models). A prompt the teacher cannot read (no chain
+sum in its first user message, clone answers that are not integers) raises ValueError, which
+fails that node and so drops its tree from the demonstrations.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+_USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL)
+_TOOL_RESPONSE = re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.DOTALL)
+# A chain sum: an integer, then (+|-) integer pairs; reasoning-gym writes "15 - 43 + 8" and,
+# with allow_negation, "15 + -43".
+_CHAIN = re.compile(r"(-?\d+)((?:\s*[+-]\s*-?\d+)*)\s*=?\s*$")
+_STEP = re.compile(r"([+-])\s*(-?\d+)")
+_RETURN_LINE = re.compile(r"^\s*\d+\s*:\s*(.*?)\s*$")
+_INTEGER = re.compile(r"-?\d+")
+
+
+def parse_chain(text: str) -> list[int]:
+    """The signed terms of the chain sum that ends ``text``: ``"...: 15 - 43 + 8 ="`` gives
+    ``[15, -43, 8]``. Raises ValueError when ``text`` does not end with one."""
+    match = _CHAIN.search(text.strip())
+    if match is None:
+        raise ValueError(f"no chain sum (like '12 + 7 - 3') at the end of {text!r}")
+    terms = [int(match.group(1))]
+    for op, number in _STEP.findall(match.group(2)):
+        terms.append(int(number) if op == "+" else -int(number))
+    return terms
+
+
+def write_chain(terms: Sequence[int]) -> str:
+    """``[15, -43, 8]`` as ``"15 - 43 + 8"``; a leading negative term keeps its sign
+    (``[-75, 8]`` is ``"-75 + 8"``)."""
+    parts = [str(terms[0])]
+    for term in terms[1:]:
+        parts.append(f"- {-term}" if term < 0 else f"+ {term}")
+    return " ".join(parts)
+
+
+def running_computation(terms: Sequence[int]) -> tuple[list[str], int]:
+    """One line per operation (``15 - 43 = -28``, ``-28 + 8 = -20``) and the result; no line
+    for a single term."""
+    total, lines = terms[0], []
+    for term in terms[1:]:
+        new = total + term
+        op = f"- {-term}" if term < 0 else f"+ {term}"
+        lines.append(f"{total} {op} = {new}")
+        total = new
+    return lines, total
+
+
+def halves(terms: Sequence[int]) -> list[list[int]]:
+    """The terms cut into two contiguous halves (the first one longer when odd)."""
+    cut = (len(terms) + 1) // 2
+    return [list(terms[:cut]), list(terms[cut:])]
+
+
+@dataclass
+class ChainSumTeacher:
+    """Correct chain_sum demonstrations in the tool-call protocol (see the module docstring)."""
+
+    # Probability that a root whose expression has at least `min_delegate_terms` terms
+    # delegates its two halves to two clones instead of solving it directly.
+    delegate: float = 0.5
+    # Fewest terms a root delegates (below that, the call costs more than the sum).
+    min_delegate_terms: int = 3
+    # First word of every clone objective; a user message that starts with it is a clone's.
+    objective_prefix: str = "Compute"
+    # The chat template's end-of-turn text, which closes every final turn.
+    end: str = "<|im_end|>"
+    # Seed of the teacher's own draws (whether a root delegates).
+    seed: int = 0
+    _rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.delegate <= 1.0:
+            raise ValueError(f"delegate must be a probability, got {self.delegate}")
+        if self.min_delegate_terms < 2:
+            raise ValueError(f"min_delegate_terms must be >= 2, got {self.min_delegate_terms}")
+        if not self.objective_prefix.strip():
+            raise ValueError("objective_prefix must be a word, got an empty string")
+        self._rng = random.Random(self.seed)
+
+    def __call__(self, prompt: str) -> str:
+        user = _USER.search(prompt)
+        if user is None:
+            raise ValueError(f"ChainSumTeacher: no ChatML user message in the prompt {prompt[-200:]!r}")
+        # The question is the first user message; what follows it is the node's own turns
+        # and the tool responses (templates without a tool role render them as user messages).
+        question = user.group(1).strip()
+        terms = parse_chain(question)
+        returned = _TOOL_RESPONSE.findall(prompt[user.end():])
+        if returned:  # resumed after the clones answered: add their answers
+            return self._combine(returned[-1])
+        is_clone = question.startswith(self.objective_prefix + " ")
+        if not is_clone and len(terms) >= self.min_delegate_terms and self._rng.random() < self.delegate:
+            return self._spawn(terms)
+        return self._solve(terms)
+
+    # ------------------------------------------------------------------ turns
+
+    def _solve(self, terms: Sequence[int]) -> str:
+        lines, total = running_computation(terms)
+        return "\n".join([*lines, f"Answer: {total}"]) + self.end
+
+    def _spawn(self, terms: Sequence[int]) -> str:
+        objectives = [f"{self.objective_prefix} {write_chain(half)}" for half in halves(terms)]
+        call = {"name": "spawn_clone", "arguments": {"objectives": objectives}}
+        return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
+
+    def _combine(self, response: str) -> str:
+        answers = []
+        for line in response.strip().splitlines():
+            match = _RETURN_LINE.match(line)
+            value = match.group(1) if match else line.strip()
+            if not _INTEGER.fullmatch(value):
+                raise ValueError(f"ChainSumTeacher: a clone returned {value!r}, not an integer")
+            answers.append(int(value))
+        if not answers:
+            raise ValueError("ChainSumTeacher: an empty tool response")
+        return self._solve(answers)

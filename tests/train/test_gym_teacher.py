@@ -1,0 +1,107 @@
+"""ChainSumTeacher: correct chain_sum demonstrations in the tool-call protocol."""
+
+from __future__ import annotations
+
+import pytest
+
+from selfcest.budget import Budget
+from selfcest.policy import ClonePolicy
+from selfcest.protocol import ToolCallProtocol
+from selfcest.tasks import load_tasks
+from selfcest.train.gym_teacher import ChainSumTeacher, halves, parse_chain, write_chain
+from selfcest.train.traces import teacher_trees
+
+pytest.importorskip("reasoning_gym")
+
+# The tiny tokenizer spells the tool description out in many tokens: a roomy budget.
+BUDGET = Budget(node_generation=160, node_context=1024, tree_generation=512, max_depth=1,
+                clones_per_spawn=2, clones_per_tree=2, spawn_rounds=1, return_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def tool_policy() -> ClonePolicy:
+    return ClonePolicy.build_tiny(seed=0, protocol="tool")
+
+
+def chain_sums(n: int, seed: int = 0, **config) -> list:
+    shape = {"min_terms": 2, "max_terms": 6, "min_digits": 1, "max_digits": 2, **config}
+    return load_tasks("gym", dataset="chain_sum", size=n, seed=seed, **shape)
+
+
+def test_chains_parse_write_and_halve():
+    assert parse_chain("State the final answer to the following arithmetic problem: 15 - 43 + 8 =") \
+        == [15, -43, 8]
+    assert parse_chain("Compute -75 + 8") == [-75, 8]
+    assert parse_chain("Compute 5 + -3 - -2") == [5, -3, 2]
+    assert parse_chain("Compute 7") == [7]
+    assert write_chain([15, -43, 8]) == "15 - 43 + 8"
+    assert write_chain([-75, 8]) == "-75 + 8"
+    assert halves([1, 2, 3, 4, 5]) == [[1, 2, 3], [4, 5]]
+
+
+def test_demonstrations_are_right_and_delegating_roots_spawn_two_right_clones(tool_policy):
+    tasks = chain_sums(40)
+    teacher = ChainSumTeacher(delegate=0.5)
+    trees = teacher_trees(tasks, teacher, tool_policy.protocol, BUDGET, correct_only=False)
+    assert len(trees) == len(tasks)
+    delegated = 0
+    for tree in trees:
+        task = tasks[tree.task_index]
+        assert tree.answer == task.answer, tree.pretty()
+        terms = parse_chain(task.prompt)
+        clones = [tree.nodes[c] for c in tree.root.children]
+        if not clones:
+            assert tree.root.text().endswith("<|im_end|>")
+            continue
+        delegated += 1
+        assert len(terms) >= teacher.min_delegate_terms
+        # The root's first turn is a well-formed spawn_clone call with two objectives...
+        requests = tool_policy.protocol.parse_text(tree.root.segments[0].text)
+        assert [r.objective for r in requests] == [c.objective for c in clones]
+        assert all(c.objective.startswith("Compute ") for c in clones)
+        # ...over the two halves of the terms, which the clones sum correctly.
+        assert [parse_chain(c.objective) for c in clones] == halves(terms)
+        assert [int(c.answer) for c in clones] == [sum(h) for h in halves(terms)]
+        assert not any(c.children for c in clones)  # clones never delegate
+    assert 0 < delegated < len(trees)
+
+
+def test_short_chains_are_never_delegated_and_delegate_one_always_is(tool_policy):
+    tasks = chain_sums(20, seed=3)
+    trees = teacher_trees(tasks, ChainSumTeacher(delegate=1.0), tool_policy.protocol, BUDGET)
+    assert len(trees) == len(tasks)
+    for tree in trees:
+        terms = parse_chain(tasks[tree.task_index].prompt)
+        assert bool(tree.root.children) == (len(terms) >= 3)
+
+
+def test_negated_terms_are_demonstrated_right(tool_policy):
+    tasks = chain_sums(20, seed=7, allow_negation=True)
+    trees = teacher_trees(tasks, ChainSumTeacher(delegate=0.5), tool_policy.protocol, BUDGET)
+    assert len(trees) == len(tasks)
+
+
+def test_unreadable_prompts_raise_clear_errors():
+    teacher = ChainSumTeacher()
+    with pytest.raises(ValueError, match="no chain sum"):
+        teacher("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="no ChatML user message"):
+        teacher("15 - 43 =")
+    failed_clone = ("<|im_start|>user\nCompute 1 + 2 + 3<|im_end|>\n<|im_start|>assistant\n<tool_call>"
+                    "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n1: 3\n"
+                    "2: error: clone failed\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="not an integer"):
+        teacher(failed_clone)
+    with pytest.raises(ValueError, match="probability"):
+        ChainSumTeacher(delegate=1.5)
+
+
+def test_a_clone_solves_directly_with_one_operation_a_line():
+    teacher = ChainSumTeacher(delegate=1.0)
+    prompt = "<|im_start|>user\nCompute -75 + 8 - 3<|im_end|>\n<|im_start|>assistant\n"
+    assert teacher(prompt) == "-75 + 8 = -67\n-67 - 3 = -70\nAnswer: -70<|im_end|>"
+    assert ChainSumTeacher(end="</s>")(prompt).endswith("Answer: -70</s>")
+
+
+def test_the_protocol_is_the_tool_protocol(tool_policy):
+    assert isinstance(tool_policy.protocol, ToolCallProtocol)

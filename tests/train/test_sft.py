@@ -1,0 +1,78 @@
+"""SFT on protocol traces: the loss is on the model's own turns only, and it learns them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfcest.budget import Budget
+from selfcest.policy import ClonePolicy
+from selfcest.protocol import TokenProtocol
+from selfcest.rollout.backends.base import SamplingParams
+from selfcest.tasks.keyed_sum import KeyedSumConfig, keyed_sum_tasks
+from selfcest.train.config import ConfigError, TrainConfig
+from selfcest.train.sft import SFTConfig, held_out_tasks, run_warm_start, sft_samples, train_sft
+from selfcest.train.traces import KeyedSumTeacher, teacher_trees
+
+BUDGET = Budget(node_generation=128, tree_generation=1024, node_context=512, max_depth=2)
+
+
+def demo_trees(policy, n=4, seed=0):
+    tasks = keyed_sum_tasks(n, seed=seed, config=KeyedSumConfig(num_keys=2, list_len=2, max_value=3))
+    return tasks, teacher_trees(tasks, KeyedSumTeacher(redelegate=0.0), policy.protocol, BUDGET)
+
+
+def test_masks_cover_exactly_the_sampled_tokens(tiny_policy):
+    _, trees = demo_trees(tiny_policy)
+    samples = sft_samples(trees)
+    assert len(samples) == sum(len(t.nodes) for t in trees)
+    tree = trees[0]
+    root = next(s for s in samples if s.node_id == "0" and s.tree_id == 0)
+    expected = [0] * len(tree.root.prompt_ids)
+    for segment in tree.root.segments:
+        expected += [int(segment.trainable)] * len(segment.token_ids)
+    assert root.loss_mask == expected and 0 < sum(expected) < len(expected)
+
+
+def test_sft_learns_the_demonstrations(tmp_path):
+    torch.manual_seed(0)
+    policy = ClonePolicy.build_tiny(seed=5)
+    tasks, trees = demo_trees(policy, n=3, seed=7)
+    history = train_sft(policy, trees, SFTConfig(steps=120, sequences_per_step=9, lr=1e-2, warmup_steps=5))
+    assert history[-1]["sft/loss"] < 0.1 * history[0]["sft/loss"]
+    engine = policy.engine(BUDGET, SamplingParams(temperature=0))
+    for task, tree in zip(tasks, engine.rollout(tasks)):
+        assert tree.answer == task.answer and tree.costs().clones == 2  # it delegates, correctly
+
+
+def test_returned_tokens_are_never_targets():
+    """Whatever a return says, the loss is the same function of the model's own tokens:
+    perturbing a returned token changes no target of the loss."""
+    policy = ClonePolicy.build_tiny(seed=6)
+    _, trees = demo_trees(policy, n=1, seed=3)
+    (root,) = [s for s in sft_samples(trees) if s.node_id == "0"]
+    tree = trees[0]
+    start = len(tree.root.prompt_ids) + len(tree.root.segments[0].token_ids)
+    returned = range(start, start + len(tree.root.segments[1].token_ids))
+    assert tree.root.segments[1].kind == "return"
+    assert all(root.loss_mask[i] == 0 for i in returned)
+    assert all(root.loss_mask[i] == 1 for i in range(start - len(tree.root.segments[0].token_ids), start))
+
+
+def test_the_sft_entry_point_leaves_held_out_tasks_out_and_saves_a_loadable_policy(tmp_path):
+    config = TrainConfig()
+    shape = {"num_keys": 2, "list_len": 2, "max_value": 3}
+    config.task.params = {"split": "train", "n_train": 16, "n_test": 8, "n_ood": 0, "train": shape}
+    config.warm_start.tasks = {"name": "keyed_sum", "params": {**config.task.params, "n_train": 24}}
+    config.warm_start.teacher_params = {"redelegate": 0.0}
+    config.warm_start.sft = SFTConfig(steps=3, sequences_per_step=4)
+    config.rollout.budget = BUDGET
+    config.trainer.output_dir = str(tmp_path)
+    held_out = held_out_tasks(config)
+    assert len(held_out) == 8  # the test split (task.eval_params); no OOD split configured
+    out = run_warm_start(config)
+    assert len((out / "sft.jsonl").read_text().splitlines()) == 3
+    assert isinstance(ClonePolicy.from_pretrained(out).protocol, TokenProtocol)
+    config.warm_start.tasks = {}
+    with pytest.raises(ConfigError, match="warm_start.tasks"):
+        run_warm_start(config)
