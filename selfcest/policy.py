@@ -174,9 +174,10 @@ class ClonePolicy:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        add_protocol_tokens(model, tokenizer, PROTOCOLS[protocol].required_tokens)
+        required = PROTOCOLS[protocol].required_tokens
+        add_protocol_tokens(model, tokenizer, required)
         if lora is not None:
-            model = apply_lora(model, lora)
+            model = apply_lora(model, lora, tokenizer.convert_tokens_to_ids(list(required)))
         return cls(model, tokenizer, _make_protocol(protocol, tokenizer, root_system, clone_system))
 
     @classmethod
@@ -294,7 +295,14 @@ def add_protocol_tokens(model, tokenizer, tokens: tuple[str, ...]) -> list[str]:
     return missing
 
 
-def apply_lora(model, lora: LoraSettings | dict):
+def apply_lora(model, lora: LoraSettings | dict, trainable_tokens: list[int] | None = None):
+    """``model`` wrapped with LoRA adapters (peft).
+
+    ``trainable_tokens``: ids whose embedding rows train too (peft's trainable tokens), for
+    the protocol's tokens. A token added for the protocol starts as the mean of its text
+    pieces' embeddings; frozen there (with tied embeddings) its logit stays the mean of its
+    pieces' logits, below the best of them, so greedy decoding could never emit it.
+    """
     from peft import LoraConfig, get_peft_model
 
     settings = lora if isinstance(lora, LoraSettings) else LoraSettings(**lora)
@@ -303,6 +311,7 @@ def apply_lora(model, lora: LoraSettings | dict):
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=settings.target_modules,
+        trainable_token_indices=sorted(set(trainable_tokens)) if trainable_tokens else None,
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)

@@ -80,16 +80,34 @@ def test_lora_policy_trains_only_the_adapter_and_saves_merged(demo_task, tmp_pat
     policy.save_pretrained(tmp_path / "base")
     lora = ClonePolicy.from_pretrained(tmp_path / "base", lora={"r": 4, "alpha": 8})
     trainable = [n for n, p in lora.model.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)
+    assert trainable and all("lora_" in n or "trainable_tokens" in n for n in trainable)
     assert lora.solve(demo_task, sampling=GREEDY, budget=Budget(node_generation=8, tree_generation=8))
     with torch.no_grad():
         for name, param in lora.model.named_parameters():
-            if "lora_B" in name:
-                param.add_(0.5)
+            if "lora_B" in name or "trainable_tokens_delta" in name:
+                param.add_(0.1)
     lora.save_pretrained(tmp_path / "merged")
     merged = ClonePolicy.from_pretrained(tmp_path / "merged")
     ids = [lora.protocol.root_prompt(demo_task)]
     assert torch.allclose(lora.token_logprobs(ids)[0], merged.token_logprobs(ids)[0], atol=1e-5)
+
+
+def test_lora_trains_the_protocol_token_embeddings_and_no_other_row(tmp_path):
+    """A protocol token's embedding must be able to move under LoRA: frozen at the mean of
+    its pieces, greedy decoding could never emit it."""
+    ClonePolicy.build_tiny(seed=0).save_pretrained(tmp_path / "base")
+    lora = ClonePolicy.from_pretrained(tmp_path / "base", lora={"r": 4, "alpha": 8})
+    spawn = lora.tokenizer.convert_tokens_to_ids(TokenProtocol.SPAWN)
+    before = lora.model.get_input_embeddings()(torch.arange(len(lora.tokenizer))).detach().clone()
+    optimizer = torch.optim.SGD([p for p in lora.model.parameters() if p.requires_grad], lr=1.0)
+    ids = torch.tensor([[1, 2, spawn, 3]])
+    loss = -lora.model(input_ids=ids).logits[0, 1].log_softmax(-1)[spawn]  # learn to emit <spawn>
+    loss.backward()
+    optimizer.step()
+    after = lora.model.get_input_embeddings()(torch.arange(len(lora.tokenizer))).detach()
+    moved = (after - before).abs().sum(-1).nonzero().flatten().tolist()
+    protocol = set(lora.tokenizer.convert_tokens_to_ids(list(TokenProtocol.required_tokens)))
+    assert spawn in moved and set(moved) <= protocol
 
 
 def test_token_logprobs_match_unpadded_forward(tiny_policy):

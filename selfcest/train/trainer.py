@@ -100,7 +100,8 @@ def build_policy(config: TrainConfig) -> ClonePolicy:
         if model.lora is not None:
             from selfcest.policy import apply_lora
 
-            policy.model = apply_lora(policy.model, model.lora)
+            required = list(policy.protocol.required_tokens)
+            policy.model = apply_lora(policy.model, model.lora, policy.tokenizer.convert_tokens_to_ids(required))
         return policy
     if model.name == SMOLLM2:
         return ClonePolicy.from_smollm2(protocol=model.protocol, lora=model.lora, dtype=DTYPES[model.dtype],

@@ -8,7 +8,7 @@ import textwrap
 import torch
 
 from selfcest.budget import Budget
-from selfcest.policy import ClonePolicy
+from selfcest.policy import ClonePolicy, LoraSettings
 from selfcest.protocol import SpawnRequest
 from selfcest.rewards.base import RewardResult
 from selfcest.rollout.backends.base import SamplingParams
@@ -186,3 +186,17 @@ def test_counterfactual_credit_measures_each_clone(tmp_path, spawning_policy, de
         assert set(tree.info["counterfactual"]) == {"0.0", "0.1"}
         assert all(value < 1.0 for value in tree.info["counterfactual"].values())
     trainer.close()
+
+
+def test_a_lora_run_trains_every_adapter_and_the_protocol_token_embeddings(tmp_path):
+    config = small_config(tmp_path, steps=2, lr=1e-2)
+    config.model.lora = LoraSettings(r=4, alpha=8)
+    trainer = GRPOTrainer(config)
+    before = params_of(trainer.policy.model)
+    trainable = {n for n, p in trainer.policy.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    trainer.close()
+    after = params_of(trainer.policy.model)
+    assert any("trainable_tokens_delta" in n for n in trainable)
+    assert not [n for n in trainable if torch.equal(before[n], after[n])]
+    assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
