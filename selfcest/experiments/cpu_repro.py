@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from selfcest.budget import Budget
+from selfcest.cli import CONFIG_DIR
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.tasks import load_tasks
@@ -92,7 +93,7 @@ def compose(experiment: str, overrides: list[str]) -> TrainConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from selfcest.cli import CONFIG_DIR, register_schemas, to_train_config
+    from selfcest.cli import register_schemas, to_train_config
 
     register_schemas()
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
@@ -269,7 +270,8 @@ def evaluate_arms(config: TrainConfig, settings: EvalSettings, sft: ClonePolicy,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the CI-sized variant (cpu_repro_quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the CI-sized variant (<experiment>_quick.yaml if present, a small evaluation)")
     parser.add_argument("--experiment", default="cpu_repro",
                         help="another configs/experiment/ file to run through the same pipeline")
     parser.add_argument("--warm-started", type=Path, metavar="DIR",
@@ -280,7 +282,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reward-samples", type=int, help="trees per task for the held-out reward")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.steps=40")
     args = parser.parse_args(argv)
-    config = compose("cpu_repro_quick" if args.quick else args.experiment, args.overrides)
+    # --quick means the CI-sized config where one exists (<experiment>_quick.yaml), and the
+    # QUICK evaluation either way.
+    experiment = args.experiment
+    if args.quick and (CONFIG_DIR / "experiment" / f"{experiment}_quick.yaml").exists():
+        experiment = f"{experiment}_quick"
+    config = compose(experiment, args.overrides)
     settings = QUICK if args.quick else FULL
     changes = {"budgets": tuple(args.budgets) if args.budgets else None, "tasks_per_split": args.tasks_per_split,
                "sc_samples": args.sc_samples, "reward_samples": args.reward_samples}
