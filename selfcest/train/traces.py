@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from selfcest.budget import Budget
-from selfcest.protocol import TokenProtocol
+from selfcest.protocol import Protocol, TokenProtocol
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.rollout.engine import RolloutEngine
@@ -183,7 +183,7 @@ class KeyedSumTeacher:
 def teacher_trees(
     tasks: Sequence[Task],
     teacher: Teacher,
-    protocol: TokenProtocol,
+    protocol: Protocol,
     budget: Budget,
     correct_only: bool = True,
 ) -> list[CloneTree]:
@@ -206,7 +206,7 @@ def demonstrations(
     tasks: Mapping[str, Any],
     teacher: str,
     teacher_params: Mapping[str, Any],
-    protocol: TokenProtocol,
+    protocol: Protocol,
     budget: Budget,
     exclude: Iterable[Task] = (),
 ) -> list[CloneTree]:
