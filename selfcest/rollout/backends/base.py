@@ -75,3 +75,11 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release the engine and its temporary files."""
         ...
+
+
+def check_request(prompt_ids: Sequence[int], max_tokens: int) -> None:
+    """Refuse a generation request no backend can serve: an empty prompt, or no tokens."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not prompt_ids:
+        raise ValueError("empty prompt")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from selfcest.rollout.backends.base import Completion, SamplingParams
+from selfcest.rollout.backends.base import Completion, SamplingParams, check_request
 
 
 @dataclass
@@ -68,10 +68,7 @@ class HFBackend:
         sampling: SamplingParams,
         seed: int,
     ) -> Completion:
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if not prompt_ids:
-            raise ValueError("empty prompt")
+        check_request(prompt_ids, max_tokens)
         loop = asyncio.get_running_loop()
         self._ensure_worker(loop)
         request = _Request(list(prompt_ids), max_tokens, frozenset(stop_token_ids), sampling,

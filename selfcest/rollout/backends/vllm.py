@@ -42,7 +42,7 @@ from typing import Any, Literal
 import torch
 
 from selfcest.policy import sequence_logprobs
-from selfcest.rollout.backends.base import Completion, SamplingParams
+from selfcest.rollout.backends.base import Completion, SamplingParams, check_request
 
 INSTALL_HINT = (
     "VLLMBackend needs vLLM: pip install 'selfcest[vllm]' (GPU), or on a CPU run "
@@ -242,10 +242,7 @@ class VLLMBackend:
         sampling: SamplingParams,
         seed: int,
     ) -> Completion:
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if not prompt_ids:
-            raise ValueError("empty prompt")
+        check_request(prompt_ids, max_tokens)
         if len(prompt_ids) + max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the "
