@@ -334,15 +334,21 @@ def test_a_partial_set_of_weights_is_refused_before_loading(synced):
     assert_sync_refused(policy, backend, partial, match="model.layers.3.mlp.down_proj.weight missing")
 
 
-def test_weights_the_engine_did_not_take_are_caught_by_the_probe(synced, monkeypatch):
-    policy, backend = synced
-    teach_delegation(policy, steps=3)
+def assert_probe_refuses(policy, backend, monkeypatch, broken_load) -> None:
+    """A sync whose weight load is ``broken_load`` raises, and the engine refuses to serve
+    until a good sync."""
     version = backend.weight_version
     with monkeypatch.context() as patch:
-        patch.setattr(VLLMBackend, "_load", staticmethod(lambda engine, source: None))
+        patch.setattr(VLLMBackend, "_load", staticmethod(broken_load))
         with pytest.raises(WeightSyncError, match="not serving these weights"):
             backend.sync_weights(policy.model)
     assert_refused_until_synced(policy, backend, version)
+
+
+def test_weights_the_engine_did_not_take_are_caught_by_the_probe(synced, monkeypatch):
+    policy, backend = synced
+    teach_delegation(policy, steps=3)
+    assert_probe_refuses(policy, backend, monkeypatch, lambda engine, source: None)
 
 
 def test_a_partly_loaded_engine_is_caught_by_the_probe(synced, monkeypatch):
@@ -355,12 +361,7 @@ def test_a_partly_loaded_engine_is_caught_by_the_probe(synced, monkeypatch):
         kept = [(n, t) for n, t in source["weights_iterator"] if not n.startswith("model.layers.3.")]
         load(engine, {"weights_iterator": kept})
 
-    version = backend.weight_version
-    with monkeypatch.context() as patch:
-        patch.setattr(VLLMBackend, "_load", staticmethod(load_all_but_the_last_layer))
-        with pytest.raises(WeightSyncError, match="not serving these weights"):
-            backend.sync_weights(policy.model)
-    assert_refused_until_synced(policy, backend, version)
+    assert_probe_refuses(policy, backend, monkeypatch, load_all_but_the_last_layer)
 
 
 def test_a_corrupt_weights_file_is_refused(synced, monkeypatch):
