@@ -3,17 +3,19 @@
 A checkpoint is a folder ``checkpoints/step_000004/`` holding:
 
 - ``model.safetensors``: the trainable parameters (all of them, or the LoRA adapter only);
-- ``optimizer.pt``, ``scheduler.pt``: state dicts (tensors and numbers only, loaded with
-  ``torch.load(weights_only=True)``); under data parallelism every rank holds the same
-  optimizer state, so rank 0's is saved;
+- ``optimizer.pt``, ``scheduler.pt``: state dicts (tensors, numbers and parameter names
+  only, loaded with ``torch.load(weights_only=True)``);
 - ``rng_rank{r}.pt`` and ``state.json``: RNG states of every rank, the step, the data
   position and the backend's weight version.
 
+Parameters and optimizer state are saved whole and keyed by parameter name (torch's
+full-state-dict API), whether the run was single-process, DDP or FSDP-sharded: rank 0
+writes them, and on resume rank 0 reads them and sends every process its part. So a
+checkpoint resumes under any world size and sharding (the RNG states of ranks that did not
+exist are drawn fresh).
+
 It is written to ``step_000004.tmp`` and renamed when complete, so a run killed while
 saving leaves the previous checkpoint as the latest one.
-
-Simplification: sharded optimizers (FSDP, DeepSpeed ZeRO) save per-rank shards through
-accelerate (`Accelerator.save_state`) instead; resume then needs the same world size.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -41,9 +51,13 @@ class TrainerState:
     weight_version: int  # the backend's weight version after the last sync
 
 
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    """The parameters the optimizer updates (shared tensors appear once)."""
-    return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
+def trainable_names(model) -> set[str]:
+    """Names of the parameters the optimizer updates (a shared tensor under its first name)."""
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def save_checkpoint(
@@ -57,17 +71,24 @@ def save_checkpoint(
     barrier=lambda: None,
     keep: int = 2,
 ) -> Path:
-    """Write a checkpoint for ``state.step``; every rank calls this (rank 0 writes the model)."""
+    """Write a checkpoint for ``state.step``; every rank calls this (rank 0 writes the model).
+
+    ``model`` is the training model (sharded or not), ``optimizer`` its optimizer."""
     folder = Path(root) / CHECKPOINT_DIR / f"step_{state.step:06d}"
     tmp = folder.with_name(folder.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    # Collectives: every rank gathers, rank 0 receives whole tensors on the CPU.
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=whole)
+    optimizer_state = get_optimizer_state_dict(model, _torch_optimizer(optimizer), options=whole)
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
-        save_file(trainable_state(model), tmp / "model.safetensors")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        trainable = trainable_names(model)
+        save_file({k: v.contiguous() for k, v in weights.items() if k in trainable}, tmp / "model.safetensors")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "state.json").write_text(
             json.dumps({**asdict(state), "world_size": world_size}, indent=2)
@@ -108,21 +129,27 @@ def resolve_resume(resume, output_dir: str | Path) -> Path | None:
 
 
 def load_checkpoint(folder: str | Path, model, optimizer, scheduler, rank: int = 0) -> TrainerState:
-    """Restore parameters, optimizer, scheduler and this rank's RNG states; return the state."""
+    """Restore parameters, optimizer, scheduler and this rank's RNG states; return the state.
+
+    Every rank calls this; under several processes only rank 0 reads the weights and the
+    optimizer state, and sends every process its part (its shard, under FSDP)."""
     folder = Path(folder)
-    saved = load_file(folder / "model.safetensors")
-    expected = trainable_state(model)
-    if set(saved) != set(expected):
-        missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
-        raise ValueError(
-            f"checkpoint {folder} does not match the model: missing {missing[:5]}, "
-            f"unexpected {extra[:5]} (was it saved with another model or LoRA setting?)"
-        )
-    with torch.no_grad():
-        params = dict(model.named_parameters())
-        for name, tensor in saved.items():
-            params[name].copy_(tensor)
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+    share = _distributed()
+    weights, optimizer_state = {}, {}
+    if rank == 0 or not share:
+        weights = load_file(folder / "model.safetensors")
+        expected = trainable_names(model)
+        if set(weights) != expected:
+            missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+            raise ValueError(
+                f"checkpoint {folder} does not match the model: missing {missing[:5]}, "
+                f"unexpected {extra[:5]} (was it saved with another model or LoRA setting?)"
+            )
+        optimizer_state = torch.load(folder / "optimizer.pt", weights_only=True)
+    # strict=False: the file holds the trainable parameters only, frozen ones stay as built.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=share, strict=False)
+    set_model_state_dict(model, weights, options=options)
+    set_optimizer_state_dict(model, _torch_optimizer(optimizer), optimizer_state, options=options)
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
     rng_file = folder / f"rng_rank{rank}.pt"
     if rng_file.exists():
@@ -130,6 +157,11 @@ def load_checkpoint(folder: str | Path, model, optimizer, scheduler, rank: int =
     data = json.loads((folder / "state.json").read_text())
     data.pop("world_size", None)
     return TrainerState(**data)
+
+
+def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's wrapper (the state-dict API needs its params)."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def _rng_state() -> dict:

@@ -34,7 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, DistributedType
+from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from selfcest.algo.advantages import COUNTERFACTUAL_KEY, compute_advantages
@@ -62,6 +62,7 @@ from selfcest.train.batching import (
 from selfcest.train.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
 from selfcest.train.config import SMOLLM2, ConfigError, TrainConfig, validate
 from selfcest.train.logging import RunLogger
+from selfcest.train.sharding import check_model, check_supported, full_weights, is_sharded
 from selfcest.train.sft import held_out_tasks, warm_start
 from selfcest.tree import CloneTree
 
@@ -166,36 +167,38 @@ class GRPOTrainer:
         # cpu=True on machines without CUDA: without it, two CPU processes each think they
         # are alone and never synchronise gradients.
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
-        if self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-            # Rollouts decode with full weights on every process independently; under FSDP or
-            # ZeRO-3 each process holds a shard, and generating from it would need every
-            # process in lockstep. Not supported yet: say so before any compute.
-            raise ConfigError(
-                f"accelerate distributed_type={self.accelerator.distributed_type.value}: the "
-                "trainer supports single-process and DDP runs (configs/accelerate/ddp.yaml); "
-                "sharded training (FSDP, DeepSpeed ZeRO-3) is not supported yet"
-            )
-        self.policy = policy or build_policy(config)
-        model = self.policy.model
+        check_supported(self.accelerator)
+        self.sharded = is_sharded(self.accelerator)
+        policy = policy or build_policy(config)
+        model = policy.model
+        if self.sharded:
+            check_model(model)
+        if resume_from is None and config.warm_start.tasks:
+            self._warm_start(policy)
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=trainer.lr, betas=tuple(trainer.betas),
-                                      weight_decay=trainer.weight_decay)
+        device = self.accelerator.device
+        # Built before sharding, from full weights: the KL reference, and the model rollouts
+        # decode with. Under FSDP the latter is a copy of its own (see sharding.py).
+        self.reference = self._reference_model(model, device)
+        self.rollout_model = copy.deepcopy(model).to(device).eval().requires_grad_(False) if self.sharded else model
+        self.policy = ClonePolicy(self.rollout_model, policy.tokenizer, policy.protocol)
+        self.backend = backend or self._build_backend()
+        if backend is not None and config.warm_start.tasks and resume_from is None:
+            self.backend.sync_weights(self.rollout_model)  # it was built before the warm start
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=trainer.lr,
+                                      betas=tuple(trainer.betas), weight_decay=trainer.weight_decay)
         total_updates = trainer.steps * trainer.optimizer_steps_per_step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(trainer.schedule, trainer.warmup_steps, total_updates))
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self.params = params
-        self.reference = self._reference_model()
-        self.backend = backend or self._build_backend()
+        # After prepare: under FSDP the parameters are new (sharded) tensors.
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.state = TrainerState(step=0, epoch=0, cursor=0, weight_version=self.backend.weight_version)
-        if resume_from is None and config.warm_start.tasks:
-            self._warm_start()
         if resume_from is not None:
             self.state = load_checkpoint(resume_from, self._unwrapped, self.optimizer, self.scheduler,
                                          rank=self.accelerator.process_index)
-            self.backend.sync_weights(self._unwrapped)
+            self._publish_weights()
         self.sampler = TaskSampler(self.train_tasks, trainer.seed, self.state.epoch, self.state.cursor)
         self.logger = None
         if self.accelerator.is_main_process:
@@ -206,18 +209,18 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _warm_start(self) -> None:
-        """Supervised warm start on teacher demonstrations, before the first step. Every
-        process runs it identically (same data, same seed), so they stay in agreement."""
+    def _warm_start(self, policy: ClonePolicy) -> None:
+        """Supervised warm start on teacher demonstrations, before sharding and the first
+        step. Every process runs it identically (same data, same seed), so they agree."""
         out = Path(self.config.trainer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "sft.jsonl", "w") as log:
-            warm_start(self.policy, self.config, held_out_tasks(self.config),
+            warm_start(policy, self.config, held_out_tasks(self.config),
                        log=lambda step, m: log.write(json.dumps({"step": step, **m}) + "\n"))
-        self.backend.sync_weights(self._unwrapped)
 
     @property
     def _unwrapped(self):
+        """The training model without its DDP wrapper (under FSDP: the sharded model)."""
         return self.accelerator.unwrap_model(self.model)
 
     def _build_backend(self):
@@ -228,15 +231,19 @@ class GRPOTrainer:
             return VLLMBackend.from_policy(self.policy, **rollout.vllm)
         from selfcest.rollout.backends.hf import HFBackend
 
-        return HFBackend(self._unwrapped, self.policy.tokenizer.pad_token_id, rollout.max_batch_size)
+        return HFBackend(self.rollout_model, self.policy.tokenizer.pad_token_id, rollout.max_batch_size)
 
-    def _reference_model(self):
+    def _publish_weights(self) -> None:
+        """Make rollouts use the trained weights (after an update, or a resume)."""
+        if self.sharded:
+            self.rollout_model.load_state_dict(full_weights(self.model))
+        self.backend.sync_weights(self.rollout_model)
+
+    def _reference_model(self, model, device):
         """The KL reference: the base with the adapter disabled (LoRA), else a frozen copy."""
-        if self.config.algo.loss.kl_coef == 0 or hasattr(self._unwrapped, "disable_adapter"):
+        if self.config.algo.loss.kl_coef == 0 or hasattr(model, "disable_adapter"):
             return None
-        reference = copy.deepcopy(self._unwrapped).eval()
-        reference.requires_grad_(False)
-        return reference
+        return copy.deepcopy(model).to(device).eval().requires_grad_(False)
 
     def engine(self, seed: int, budget=None) -> RolloutEngine:
         rollout = self.config.rollout
@@ -299,7 +306,7 @@ class GRPOTrainer:
         timings["time/training"] = time.perf_counter() - mark
 
         mark = time.perf_counter()
-        self.backend.sync_weights(self._unwrapped)
+        self._publish_weights()
         timings["time/sync"] = time.perf_counter() - mark
 
         self.state = TrainerState(self.state.step + 1, self.sampler.epoch, self.sampler.cursor,
@@ -358,6 +365,10 @@ class GRPOTrainer:
                 continue
             weight_of = dict(zip(members, weights))
             batches = step_batches or [[]]  # a process without samples still joins the all-reduce
+            if self.sharded:
+                # Every forward and backward is a collective under FSDP: all processes run as
+                # many micro-batches, the ones with fewer padded with empty ones.
+                batches += [[]] * (max(self._gather(len(batches))) - len(batches))
             for j, batch in enumerate(batches):
                 sync = j == len(batches) - 1
                 with contextlib.nullcontext() if sync else acc.no_sync(self.model):
@@ -366,7 +377,8 @@ class GRPOTrainer:
                     stats.append(self._backward(rows, [weight_of[i] for i in batch], old))
                     trained_tokens += sum(samples[i].length for i in batch)
             if trainer.max_grad_norm:
-                grad_norms.append(float(acc.clip_grad_norm_(self.params, trainer.max_grad_norm)))
+                norm = acc.clip_grad_norm_(self.params, trainer.max_grad_norm)
+                grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -405,13 +417,14 @@ class GRPOTrainer:
     @torch.no_grad()
     def _proximal_logprobs(self, samples: list[TrainingSample], micro: list[list[int]]) -> list[torch.Tensor]:
         """Logprobs of every sample under the current weights, once, before any update: the
-        proximal policy of decoupled PPO (the sampled logprobs become behaviour logprobs)."""
+        proximal policy of decoupled PPO (the sampled logprobs become behaviour logprobs).
+        The rollout model holds exactly those weights and needs no collective."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        self.model.eval()
+        self.rollout_model.eval()
         for batch in micro:
             rows = [samples[i] for i in batch]
             mb = collate(rows, [0.0] * len(rows), self.policy.tokenizer.pad_token_id).to(self.accelerator.device)
-            logp, _ = self._logprobs(self._unwrapped, mb)
+            logp, _ = self._logprobs(self.rollout_model, mb)
             for row, i in enumerate(batch):
                 out[i] = logp[row, : samples[i].length].float().cpu()
         return out
@@ -453,8 +466,8 @@ class GRPOTrainer:
         """Logprobs under the KL reference: a frozen copy, or the base with LoRA disabled."""
         if self.reference is not None:
             return self._logprobs(self.reference, mb)[0]
-        with self._unwrapped.disable_adapter():
-            return self._logprobs(self._unwrapped, mb)[0]
+        with self.rollout_model.disable_adapter():
+            return self._logprobs(self.rollout_model, mb)[0]
 
     # ------------------------------------------------------------------ counterfactual credit
 

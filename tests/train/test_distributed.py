@@ -1,5 +1,6 @@
-"""Two real processes (torchrun, gloo on CPU): gradients are synchronised, so parameters stay
-identical across ranks, and prompts are split between them."""
+"""Two real processes (torchrun, gloo on CPU), data parallel and FSDP2-sharded: ranks stay
+identical, sharding trains the same weights as data parallelism, and checkpoints resume
+under any world size."""
 
 from __future__ import annotations
 
@@ -10,25 +11,102 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from test_trainer import DIGIT_REWARD
+from selfcest.train.checkpoint import list_checkpoints
+from selfcest.train.trainer import GRPOTrainer
+from test_trainer import DIGIT_REWARD, small_config
 
-WORKER = Path(__file__).with_name("ddp_worker.py")
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+def launch(folder: Path, mode: str, port: int) -> list[dict]:
+    """Two processes of distributed_worker.py; what each rank wrote (weights under "weights";
+    for a refused setup, the error under "refused")."""
+    folder.mkdir()
+    reward = folder / "digit_reward.py"
+    reward.write_text(DIGIT_REWARD)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+         str(WORKER), str(folder), f"{reward}:reward", mode],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = []
+    for r in (0, 1):
+        if (folder / f"refused{r}.txt").exists():
+            ranks.append({"refused": (folder / f"refused{r}.txt").read_text()})
+            continue
+        report = json.loads((folder / f"rank{r}.json").read_text())
+        report["weights"] = load_file(folder / f"rank{r}.safetensors")
+        ranks.append(report)
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("ddp") / "run", "ddp", 29533)
+
+
+@pytest.fixture(scope="module")
+def fsdp_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fsdp") / "run"
+    return folder, launch(folder, "fsdp", 29534)
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, f"largest difference {worst:.3g} > {atol}"
 
 
 @pytest.mark.distributed
-def test_two_process_ddp_keeps_ranks_identical(tmp_path):
-    reward = tmp_path / "digit_reward.py"
-    reward.write_text(DIGIT_REWARD)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-         str(WORKER), str(tmp_path), f"{reward}:reward"],
-        capture_output=True, text=True, timeout=600, env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [r["world"] for r in ranks] == [2, 2]  # both processes saw each other
-    assert ranks[0]["before"] == ranks[1]["before"]
-    assert ranks[0]["after"] != ranks[0]["before"]  # they trained
-    assert ranks[0]["after"] == ranks[1]["after"]  # on synchronised gradients
+def test_two_process_ddp_keeps_ranks_identical(ddp):
+    assert [r["world"] for r in ddp] == [2, 2]  # both processes saw each other
+    assert not ddp[0]["sharded"]
+    assert ddp[0]["changed"] == ddp[0]["trainable"]  # every parameter trained
+    assert_same(ddp[0]["weights"], ddp[1]["weights"])  # on synchronised gradients
+    assert [r["resumed_step"] for r in ddp] == [2, 2] and all(r["resumed_equal"] for r in ddp)
+
+
+@pytest.mark.distributed
+def test_fsdp_trains_the_weights_ddp_trains(ddp, fsdp_folder):
+    _, fsdp = fsdp_folder
+    assert [r["world"] for r in fsdp] == [2, 2]
+    assert all(r["sharded"] for r in fsdp)  # each process held half of each parameter
+    assert fsdp[0]["changed"] == fsdp[0]["trainable"]
+    assert_same(fsdp[0]["weights"], fsdp[1]["weights"])  # every rollout copy got the update
+    # Same rollouts and the same gradients, reduced in another order: equal up to float error,
+    # far below what the two steps moved (lr 1e-2).
+    assert_same(fsdp[0]["weights"], ddp[0]["weights"], atol=1e-5)
+    # The sharded checkpoint resumed under FSDP on both ranks...
+    assert [r["resumed_step"] for r in fsdp] == [2, 2] and all(r["resumed_equal"] for r in fsdp)
+
+
+@pytest.mark.distributed
+def test_a_sharded_checkpoint_resumes_in_one_process(fsdp_folder, tmp_path):
+    folder, fsdp = fsdp_folder
+    checkpoint = list_checkpoints(folder / "run")[-1]
+    trainer = GRPOTrainer(small_config(tmp_path, steps=2, resume=str(checkpoint)))
+    assert trainer.state.step == 2
+    mine = {n: p.detach() for n, p in trainer.policy.model.named_parameters()}
+    assert_same(mine, fsdp[0]["weights"])
+    trainer.close()
+
+
+@pytest.mark.distributed
+def test_fsdp_trains_lora_adapters_only(tmp_path):
+    ranks = launch(tmp_path / "run", "fsdp_lora", 29535)
+    assert all(r["sharded"] for r in ranks)
+    trainable = ranks[0]["trainable"]
+    assert trainable and all(".lora_" in name for name in trainable)
+    assert ranks[0]["changed"] == trainable  # every adapter trained, no base weight moved
+    assert_same(ranks[0]["weights"], ranks[1]["weights"])
+    assert all(r["resumed_equal"] for r in ranks)
+
+
+@pytest.mark.distributed
+def test_fsdp_refuses_lora_with_trainable_protocol_tokens(tmp_path):
+    ranks = launch(tmp_path / "run", "fsdp_lora_tokens", 29536)
+    assert all("configs/accelerate/ddp.yaml" in r.get("refused", "") for r in ranks)

@@ -1,0 +1,110 @@
+"""Run by torchrun in test_distributed.py: two CPU processes train two steps, data parallel
+(``ddp``) or sharded (``fsdp``); each writes what the test compares.
+
+    distributed_worker.py OUT REWARD ddp|fsdp|fsdp_lora|fsdp_lora_tokens
+
+``fsdp_lora`` passes a LoRA policy without trainable tokens (what a pretrained model whose
+vocabulary holds the protocol's tokens gets); ``fsdp_lora_tokens`` the config's own, which
+the trainer must refuse.
+
+accelerate shards only on accelerators (on CPU it falls back to DDP), so for ``fsdp`` the
+trainer's accelerator gets the state accelerate's launcher sets from
+configs/accelerate/fsdp.yaml on GPUs; everything after that is accelerate's and the
+trainer's real FSDP2 path, on gloo.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, DistributedType, FullyShardedDataParallelPlugin, PartialState
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from selfcest.budget import Budget
+from selfcest.policy import ClonePolicy, LoraSettings, apply_lora
+from selfcest.train import trainer as trainer_module
+from selfcest.train.config import ConfigError, TrainConfig
+from selfcest.train.trainer import GRPOTrainer
+
+out, reward, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.set_num_threads(1)
+
+
+def fsdp_accelerator(**kwargs) -> Accelerator:
+    accelerator = Accelerator(**kwargs)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
+        state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False,
+    )
+    return accelerator
+
+
+if mode.startswith("fsdp"):
+    trainer_module.Accelerator = fsdp_accelerator
+
+
+def config(resume: bool = False) -> TrainConfig:
+    config = TrainConfig()
+    config.task.reward = reward
+    config.task.params = {"split": "train", "n_train": 32, "n_test": 4, "n_ood": 4}
+    config.rollout.budget = Budget(node_generation=16, tree_generation=32, node_context=256)
+    config.trainer.steps = 2
+    config.trainer.prompts_per_step = 4
+    # Small micro-batches, so processes hold different numbers of them in a step.
+    config.trainer.tokens_per_micro_batch = 256
+    config.trainer.lr = 1e-2
+    config.trainer.output_dir = str(out / "run")
+    config.trainer.resume = resume
+    config.log.progress = False
+    if "lora" in mode:
+        config.model.lora = LoraSettings(r=4, alpha=8)
+    return config
+
+
+def policy() -> ClonePolicy | None:
+    if mode != "fsdp_lora":
+        return None
+    built = ClonePolicy.build_tiny(seed=0)
+    built.model = apply_lora(built.model, LoraSettings(r=4, alpha=8))
+    return built
+
+
+def full(model) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, by name (of the rollout model: unsharded)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+if mode == "fsdp_lora_tokens":
+    try:
+        GRPOTrainer(config())
+    except ConfigError as error:
+        (out / f"refused{int(os.environ['RANK'])}.txt").write_text(str(error))
+    sys.exit(0)
+trainer = GRPOTrainer(config(), policy=policy())
+before = full(trainer.policy.model)
+trainer.train()
+rank = trainer.accelerator.process_index
+after = full(trainer.policy.model)  # the rollout weights: whole, refreshed after every update
+shard = next(trainer.model.parameters())
+trainer.close()
+
+resumed = GRPOTrainer(config(resume=True), policy=policy())  # from the checkpoint the run just saved
+resumed_step = resumed.state.step
+resumed_equal = all(torch.equal(after[n], p) for n, p in full(resumed.policy.model).items())
+resumed.close()
+
+save_file({f"{k}": v.contiguous() for k, v in after.items()}, out / f"rank{rank}.safetensors")
+(out / f"rank{rank}.json").write_text(json.dumps({
+    "world": trainer.accelerator.num_processes,
+    "sharded": isinstance(shard, DTensor) and shard.to_local().numel() < shard.numel(),
+    "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),
+    "trainable": sorted(n for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+                        if p.requires_grad),
+    "resumed_step": resumed_step,
+    "resumed_equal": resumed_equal,
+}))
