@@ -58,6 +58,9 @@ def config(resume: bool = False) -> TrainConfig:
     # Small micro-batches, so processes hold different numbers of them in a step.
     config.trainer.tokens_per_micro_batch = 256
     config.trainer.lr = 1e-2
+    # The paths that read the rollout copy under FSDP: KL reference and proximal logprobs.
+    config.algo.loss.kl_coef = 0.05
+    config.algo.recompute_old_logprobs = True
     config.trainer.output_dir = str(out / "run")
     config.trainer.resume = resume
     config.log.progress = False

@@ -25,11 +25,14 @@ import torch
 from selfcest.budget import Budget
 from selfcest.policy import ClonePolicy, apply_lora, sequence_logprobs
 from selfcest.protocol import SpawnRequest
+from selfcest.rewards.base import RewardResult
 from selfcest.rollout.backends import vllm as vllm_backend
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.hf import HFBackend
 from selfcest.rollout.backends.vllm import VLLMBackend, VLLMConfig, WeightSyncError
 from selfcest.tasks.base import Task
+from selfcest.train.config import TrainConfig
+from selfcest.train.trainer import GRPOTrainer
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -182,6 +185,37 @@ def test_after_training_and_sync_vllm_serves_the_new_weights(synced):
     assert_same_trees(expected, actual)
     assert all(tree.costs().clones >= 2 for tree in actual)
     assert {tree.weight_version for tree in actual} == {version + 1}
+
+
+def digit_share(tree, task) -> RewardResult:
+    """Share of digits in all the tree generated: varies across sampled trees, so every
+    group has advantages to learn from."""
+    text = "".join(node.text() for node in tree.nodes.values())
+    return RewardResult(score=sum(c.isdigit() for c in text) / max(1, len(text)), correct=False)
+
+
+def test_the_trainer_trains_on_vllm_trees_and_keeps_it_in_sync(synced, tmp_path):
+    policy, backend = synced
+    config = TrainConfig()
+    config.rollout.budget = BUDGET
+    config.trainer.steps = 2
+    config.trainer.prompts_per_step = 2
+    config.trainer.lr = 1e-2
+    config.trainer.output_dir = str(tmp_path / "run")
+    config.algo.recompute_old_logprobs = True  # vLLM's logprobs are not HF's to the last bit
+    config.log.progress = False
+    trained = ClonePolicy(copy.deepcopy(policy.model), policy.tokenizer, policy.protocol)
+    version = backend.weight_version
+    trainer = GRPOTrainer(config, policy=trained, train_tasks=TASKS, eval_tasks=[], backend=backend,
+                          reward_fn=digit_share)
+    before = {n: p.detach().clone() for n, p in trained.model.named_parameters()}
+    history = trainer.train()
+    assert [m["samples/stale_refused"] for m in history] == [0, 0]  # every tree was fresh
+    assert all(m["train/trainable_tokens"] > 0 for m in history)
+    assert all(not torch.equal(before[n], p) for n, p in trained.model.named_parameters())
+    assert backend.weight_version == trainer.state.weight_version == version + 2
+    hf, served = greedy_probe(trained, backend)
+    assert hf == served
 
 
 def test_files_sync_serves_the_new_weights(synced, monkeypatch):
