@@ -72,6 +72,10 @@ class RolloutConfig:
     budget: Budget = field(default_factory=Budget)
     # vLLM engine settings (used when backend == "vllm"); see selfcest.rollout.backends.vllm.
     vllm: dict[str, Any] = field(default_factory=dict)
+    # One engine per node, on its first process, rolls out for every process of the node
+    # (with vLLM: set vllm.tensor_parallel_size to the GPUs per node). False: one engine
+    # per process. See selfcest.train.node_rollout.
+    engine_per_node: bool = False
 
 
 @dataclass
@@ -237,6 +241,12 @@ def validate(config: TrainConfig) -> None:
         )
     if config.algo.credit.strategy == "counterfactual":
         _positive("algo.counterfactual_samples", config.algo.counterfactual_samples)
+        if rollout.engine_per_node:
+            raise ConfigError(
+                "algo.credit.strategy=counterfactual re-runs trees in every process, but "
+                "rollout.engine_per_node=true leaves engines on the nodes' first processes "
+                "only; use another credit strategy or rollout.engine_per_node=false"
+            )
     if config.algo.credit.strategy in ("sibling", "counterfactual") and budget.max_depth == 0:
         raise ConfigError(
             f"algo.credit.strategy={config.algo.credit.strategy} needs clones, but "

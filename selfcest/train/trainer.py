@@ -62,6 +62,7 @@ from selfcest.train.batching import (
 from selfcest.train.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
 from selfcest.train.config import SMOLLM2, ConfigError, TrainConfig, validate
 from selfcest.train.logging import RunLogger
+from selfcest.train.node_rollout import FollowerBackend, Placement, rollout_on_node
 from selfcest.train.sharding import check_model, check_supported, full_weights, is_sharded
 from selfcest.train.sft import held_out_tasks, warm_start
 from selfcest.tree import CloneTree
@@ -169,6 +170,9 @@ class GRPOTrainer:
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
         check_supported(self.accelerator)
         self.sharded = is_sharded(self.accelerator)
+        acc = self.accelerator
+        # Where rollouts happen: in every process, or on each node's first (node_rollout.py).
+        self.node = Placement.of(acc.process_index, acc.num_processes) if config.rollout.engine_per_node else None
         policy = policy or build_policy(config)
         model = policy.model
         if self.sharded:
@@ -186,6 +190,7 @@ class GRPOTrainer:
         self.backend = backend or self._build_backend()
         if backend is not None and config.warm_start.tasks and resume_from is None:
             self.backend.sync_weights(self.rollout_model)  # it was built before the warm start
+        self._follow_leader_version()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=trainer.lr,
                                       betas=tuple(trainer.betas), weight_decay=trainer.weight_decay)
         total_updates = trainer.steps * trainer.optimizer_steps_per_step
@@ -225,6 +230,8 @@ class GRPOTrainer:
 
     def _build_backend(self):
         rollout = self.config.rollout
+        if self.node is not None and not self.node.is_leader:
+            return FollowerBackend()
         if rollout.backend == "vllm":
             from selfcest.rollout.backends.vllm import VLLMBackend
 
@@ -238,6 +245,20 @@ class GRPOTrainer:
         if self.sharded:
             self.rollout_model.load_state_dict(full_weights(self.model))
         self.backend.sync_weights(self.rollout_model)
+        self._follow_leader_version()
+
+    def _follow_leader_version(self) -> None:
+        """With an engine per node, take the weight version the node's engine serves."""
+        if self.node is not None:
+            self.backend.weight_version = self._gather(self.backend.weight_version)[self.node.leader]
+
+    def _rollout(self, tasks: Sequence[Task], samples_per_task: int, engine: RolloutEngine) -> list[CloneTree]:
+        """This process's trees for its share of the step's ``tasks`` (prompt i goes to
+        process i % world size), from its own engine or its node's."""
+        acc = self.accelerator
+        if self.node is None:
+            return engine.rollout(tasks[acc.process_index :: acc.num_processes], samples_per_task)
+        return rollout_on_node(self.node, tasks, samples_per_task, lambda mine: engine.rollout(mine, samples_per_task))
 
     def _reference_model(self, model, device):
         """The KL reference: the base with the adapter disabled (LoRA), else a frozen copy."""
@@ -290,7 +311,7 @@ class GRPOTrainer:
         start = time.perf_counter()
         tasks = self.sampler.take(trainer.prompts_per_step)
         local = tasks[acc.process_index :: acc.num_processes]
-        trees = self.engine(self._step_seed(self.state.step)).rollout(local, trainer.trees_per_prompt)
+        trees = self._rollout(tasks, trainer.trees_per_prompt, self.engine(self._step_seed(self.state.step)))
         timings["time/rollout"] = time.perf_counter() - start
 
         mark = time.perf_counter()
@@ -498,7 +519,7 @@ class GRPOTrainer:
         rollout = self.config.rollout
         engine = RolloutEngine(self.backend, self.policy.protocol, rollout.budget,
                                SamplingParams(temperature=0), seed=self.config.trainer.seed)
-        trees = engine.rollout(local, 1)
+        trees = self._rollout(tasks, 1, engine)
         score_trees(trees, local, self.reward_fn)
         return {f"eval/{k}": v for k, v in self._tree_metrics(trees).items()}
 

@@ -1,9 +1,10 @@
-"""Run by torchrun in test_distributed.py: two CPU processes train two steps, data parallel
+"""Run by torchrun in test_distributed.py: CPU processes train two steps, data parallel
 (``ddp``) or sharded (``fsdp``); each writes what the test compares.
 
-    distributed_worker.py OUT REWARD ddp|fsdp|fsdp_lora|fsdp_lora_tokens
+    distributed_worker.py OUT REWARD ddp|node|node_vllm|fsdp|fsdp_lora|fsdp_lora_tokens
 
-``fsdp_lora`` passes a LoRA policy without trainable tokens (what a pretrained model whose
+``node`` is data parallel with one engine for the node, on its first process
+(rollout.engine_per_node); ``node_vllm`` the same with a vLLM engine. ``fsdp_lora`` passes a LoRA policy without trainable tokens (what a pretrained model whose
 vocabulary holds the protocol's tokens gets); ``fsdp_lora_tokens`` the config's own, which
 the trainer must refuse.
 
@@ -30,7 +31,6 @@ from selfcest.train.config import ConfigError, TrainConfig
 from selfcest.train.trainer import GRPOTrainer
 
 out, reward, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-torch.set_num_threads(1)
 
 
 def fsdp_accelerator(**kwargs) -> Accelerator:
@@ -42,10 +42,6 @@ def fsdp_accelerator(**kwargs) -> Accelerator:
         state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False,
     )
     return accelerator
-
-
-if mode.startswith("fsdp"):
-    trainer_module.Accelerator = fsdp_accelerator
 
 
 def config(resume: bool = False) -> TrainConfig:
@@ -64,6 +60,11 @@ def config(resume: bool = False) -> TrainConfig:
     config.trainer.output_dir = str(out / "run")
     config.trainer.resume = resume
     config.log.progress = False
+    config.rollout.engine_per_node = mode.startswith("node")
+    if mode == "node_vllm":
+        config.model.name = "small"  # vLLM's CPU attention needs heads of 32
+        config.rollout.backend = "vllm"
+        config.rollout.vllm = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True}
     if "lora" in mode:
         config.model.lora = LoraSettings(r=4, alpha=8)
     return config
@@ -82,32 +83,42 @@ def full(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-if mode == "fsdp_lora_tokens":
-    try:
-        GRPOTrainer(config())
-    except ConfigError as error:
-        (out / f"refused{int(os.environ['RANK'])}.txt").write_text(str(error))
-    sys.exit(0)
-trainer = GRPOTrainer(config(), policy=policy())
-before = full(trainer.policy.model)
-trainer.train()
-rank = trainer.accelerator.process_index
-after = full(trainer.policy.model)  # the rollout weights: whole, refreshed after every update
-shard = next(trainer.model.parameters())
-trainer.close()
+def main() -> None:
+    torch.set_num_threads(1)
+    if mode.startswith("fsdp"):
+        trainer_module.Accelerator = fsdp_accelerator
+    if mode == "fsdp_lora_tokens":
+        try:
+            GRPOTrainer(config())
+        except ConfigError as error:
+            (out / f"refused{int(os.environ['RANK'])}.txt").write_text(str(error))
+        return
+    trainer = GRPOTrainer(config(), policy=policy())
+    before = full(trainer.policy.model)
+    history = trainer.train()
+    rank = trainer.accelerator.process_index
+    after = full(trainer.policy.model)  # the rollout weights: whole, refreshed after every update
+    shard = next(trainer.model.parameters())
+    trainer.close()
 
-resumed = GRPOTrainer(config(resume=True), policy=policy())  # from the checkpoint the run just saved
-resumed_step = resumed.state.step
-resumed_equal = all(torch.equal(after[n], p) for n, p in full(resumed.policy.model).items())
-resumed.close()
+    resumed = GRPOTrainer(config(resume=True), policy=policy())  # from the checkpoint the run just saved
+    resumed_step = resumed.state.step
+    resumed_equal = all(torch.equal(after[n], p) for n, p in full(resumed.policy.model).items())
+    resumed.close()
 
-save_file({f"{k}": v.contiguous() for k, v in after.items()}, out / f"rank{rank}.safetensors")
-(out / f"rank{rank}.json").write_text(json.dumps({
-    "world": trainer.accelerator.num_processes,
-    "sharded": isinstance(shard, DTensor) and shard.to_local().numel() < shard.numel(),
-    "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),
-    "trainable": sorted(n for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
-                        if p.requires_grad),
-    "resumed_step": resumed_step,
-    "resumed_equal": resumed_equal,
-}))
+    save_file({f"{k}": v.contiguous() for k, v in after.items()}, out / f"rank{rank}.safetensors")
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "world": trainer.accelerator.num_processes,
+        "backend": type(trainer.backend).__name__,
+        "stale_refused": sum(m["samples/stale_refused"] for m in history),
+        "sharded": isinstance(shard, DTensor) and shard.to_local().numel() < shard.numel(),
+        "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),
+        "trainable": sorted(n for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+                            if p.requires_grad),
+        "resumed_step": resumed_step,
+        "resumed_equal": resumed_equal,
+    }))
+
+
+if __name__ == "__main__":  # vLLM starts its workers by spawning this module
+    main()

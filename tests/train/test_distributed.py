@@ -1,6 +1,6 @@
-"""Two real processes (torchrun, gloo on CPU), data parallel and FSDP2-sharded: ranks stay
-identical, sharding trains the same weights as data parallelism, and checkpoints resume
-under any world size."""
+"""Real processes (torchrun, gloo on CPU), data parallel and FSDP2-sharded: ranks stay
+identical, sharding trains the same weights as data parallelism, one engine per node trains
+the same weights as one process, and checkpoints resume under any world size."""
 
 from __future__ import annotations
 
@@ -21,20 +21,20 @@ from test_trainer import DIGIT_REWARD, small_config
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-def launch(folder: Path, mode: str, port: int) -> list[dict]:
-    """Two processes of distributed_worker.py; what each rank wrote (weights under "weights";
+def launch(folder: Path, mode: str, port: int, processes: int = 2, env: dict | None = None) -> list[dict]:
+    """Processes of distributed_worker.py; what each rank wrote (weights under "weights";
     for a refused setup, the error under "refused")."""
     folder.mkdir()
     reward = folder / "digit_reward.py"
     reward.write_text(DIGIT_REWARD)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(port),
          str(WORKER), str(folder), f"{reward}:reward", mode],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = []
-    for r in (0, 1):
+    for r in range(processes):
         if (folder / f"refused{r}.txt").exists():
             ranks.append({"refused": (folder / f"refused{r}.txt").read_text()})
             continue
@@ -103,6 +103,8 @@ def test_fsdp_trains_lora_adapters_only(tmp_path):
     assert trainable and all(".lora_" in name for name in trainable)
     assert ranks[0]["changed"] == trainable  # every adapter trained, no base weight moved
     assert_same(ranks[0]["weights"], ranks[1]["weights"])
+    # Resuming builds a second trainer after closing the first: closing the engine must
+    # leave the trainer's process group alone (vLLM's own shutdown destroys it).
     assert all(r["resumed_equal"] for r in ranks)
 
 
@@ -110,3 +112,39 @@ def test_fsdp_trains_lora_adapters_only(tmp_path):
 def test_fsdp_refuses_lora_with_trainable_protocol_tokens(tmp_path):
     ranks = launch(tmp_path / "run", "fsdp_lora_tokens", 29536)
     assert all("configs/accelerate/ddp.yaml" in r.get("refused", "") for r in ranks)
+
+
+@pytest.mark.distributed
+def test_one_engine_per_node_trains_what_one_process_trains(tmp_path):
+    node = launch(tmp_path / "node", "node", 29537)
+    alone = launch(tmp_path / "alone", "node", 29538, processes=1)
+    # The follower built no engine: its trees came from the leader's, under the version
+    # it was told, so none was refused as stale.
+    assert [r["backend"] for r in node] == ["HFBackend", "FollowerBackend"]
+    assert [r["stale_refused"] for r in node] == [0, 0]
+    assert node[0]["changed"] == node[0]["trainable"]
+    assert_same(node[0]["weights"], node[1]["weights"])
+    # The leader expanded the node's prompts in the step's order with its seed: the trees
+    # one process samples for the whole step, so the same update up to float error (2e-5
+    # measured: the gradients are summed in another order and Adam divides by their size).
+    # Other trees move weights by ~4e-2 here (a plain DDP run against the single process).
+    assert_same(node[0]["weights"], alone[0]["weights"], atol=1e-4)
+
+
+@pytest.mark.vllm
+@pytest.mark.distributed
+def test_one_vllm_engine_serves_the_node(tmp_path):
+    """Run in the vLLM environment: .venv-vllm/bin/python -m pytest -m vllm tests/train/test_distributed.py"""
+    pytest.importorskip("vllm")
+    cpu_engine = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                  "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
+    ranks = launch(tmp_path / "run", "node_vllm", 29539, env=cpu_engine)
+    assert [r["backend"] for r in ranks] == ["VLLMBackend", "FollowerBackend"]
+    # Every sync verified by the leader's probe (a failed one raises); the follower's trees
+    # carried the version it was told, so none was refused as stale.
+    assert [r["stale_refused"] for r in ranks] == [0, 0]
+    assert ranks[0]["changed"] == ranks[0]["trainable"]
+    assert_same(ranks[0]["weights"], ranks[1]["weights"])
+    # Resuming builds a second trainer after closing the first: closing the engine must
+    # leave the trainer's process group alone (vLLM's own shutdown destroys it).
+    assert all(r["resumed_equal"] for r in ranks)

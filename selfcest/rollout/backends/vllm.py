@@ -418,6 +418,29 @@ class VLLMBackend:
         self.close()
 
 
+def _shutdown(engine) -> None:
+    """Shut the in-process engine core down, sparing the caller's torch.distributed group.
+
+    vLLM's shutdown ends with ``torch.distributed.destroy_process_group()``: in a trainer's
+    process that is the trainer's own group, and every later collective would fail."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        engine.engine_core.shutdown()
+        return
+    destroy = dist.destroy_process_group
+
+    def spare_default_group(group=None):
+        if group is not None:
+            destroy(group)
+
+    dist.destroy_process_group = spare_default_group
+    try:
+        engine.engine_core.shutdown()
+    finally:
+        dist.destroy_process_group = destroy
+
+
 def _sleep(engine) -> None:
     if not engine.is_sleeping():
         engine.sleep(level=1)
@@ -509,7 +532,7 @@ class _EngineThread:
             self._live.clear()
             self._drain(failure)
         finally:
-            engine.engine_core.shutdown()
+            _shutdown(engine)
 
     def _handle(self, engine, message: tuple) -> None:
         kind = message[0]

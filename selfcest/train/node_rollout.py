@@ -1,0 +1,122 @@
+"""One rollout engine per node, serving every training process on it.
+
+With ``rollout.engine_per_node``, the first process of each node (its leader) builds the
+engine and expands the trees of all the node's prompts; every tree is then sent to the
+process that owns its prompt, which scores it and trains on it as usual. With vLLM that
+engine is one tensor-parallel engine over the node's GPUs
+(``rollout.vllm.tensor_parallel_size`` = GPUs per node), colocated with the trainers, in
+place of one engine per GPU that must each hold the whole model.
+
+The other processes build no engine (`FollowerBackend`): they wait while the leader rolls
+out and take the leader's weight version after every sync, so their stale-sample checks
+compare against the weights the trees were really sampled under.
+
+Ownership is the same as without a shared engine: prompt ``i`` of a step belongs to
+process ``i % world_size``, with its whole group of trees. The leader expands the node's
+prompts in the step's order, so on one node its trees are the trees one process would
+sample for the whole step with the same seed.
+
+Simplifications, stated: processes are placed on nodes in contiguous blocks of equal size
+(what ``torchrun`` and ``accelerate launch`` do); the leader's process works while the
+others wait (their GPUs run the engine's tensor-parallel shards); counterfactual credit is
+not supported with a shared engine (its re-runs would need an engine in every process).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from selfcest.tasks.base import Task
+from selfcest.train.config import ConfigError
+from selfcest.tree import CloneTree
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits: its rank, and the block of ranks on its node."""
+
+    rank: int
+    world_size: int
+    per_node: int  # processes on every node
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, per_node: int | None = None) -> Placement:
+        """This process's node; ``per_node`` defaults to the launcher's ``LOCAL_WORLD_SIZE``."""
+        per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if world_size % per_node:
+            raise ConfigError(
+                f"rollout.engine_per_node needs the same number of processes on every node; "
+                f"got {world_size} processes with {per_node} on this node"
+            )
+        return cls(rank, world_size, per_node)
+
+    @property
+    def leader(self) -> int:
+        return self.rank - self.rank % self.per_node
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    def owner(self, prompt_index: int) -> int:
+        """The process that trains on the step's prompt ``prompt_index``."""
+        return prompt_index % self.world_size
+
+
+def rollout_on_node(
+    node: Placement,
+    tasks: Sequence[Task],
+    samples_per_task: int,
+    rollout: Callable[[list[Task]], list[CloneTree]],
+) -> list[CloneTree]:
+    """This process's trees for its prompts of the step's ``tasks`` (every process calls).
+
+    On a leader, ``rollout(node_tasks)`` expands the node's prompts, in the step's order,
+    returning ``samples_per_task`` trees per task grouped by task (as
+    `RolloutEngine.rollout` does); other processes never call it.
+    """
+    share: list[list[CloneTree]] | None = None
+    if node.is_leader:
+        on_node = [i for i in range(len(tasks)) if node.owner(i) // node.per_node == node.rank // node.per_node]
+        trees = rollout([tasks[i] for i in on_node])
+        share = [[] for _ in range(node.world_size)]
+        for position, index in enumerate(on_node):
+            group = trees[position * samples_per_task : (position + 1) * samples_per_task]
+            share[node.owner(index)].extend(group)
+    if node.world_size == 1:
+        return share[0]
+    mine: list[CloneTree] = []
+    for leader in range(0, node.world_size, node.per_node):
+        received: list = [None]
+        dist.scatter_object_list(received, share if node.rank == leader else None, src=leader)
+        if leader == node.leader:
+            mine = received[0]
+    return mine
+
+
+class FollowerBackend:
+    """The backend of a process whose rollouts its node's leader serves: no engine.
+
+    ``weight_version`` is the leader's, set by the trainer after every sync."""
+
+    def __init__(self, weight_version: int = 0) -> None:
+        self.weight_version = weight_version
+
+    async def generate(self, *args, **kwargs):
+        raise RuntimeError(
+            "this process has no engine: with rollout.engine_per_node its node's first "
+            "process generates for it"
+        )
+
+    def sync_weights(self, model=None) -> None:
+        """Nothing to load: the leader's engine serves the node."""
+
+    def sleep(self) -> None:
+        """Nothing to free."""
+
+    def close(self) -> None:
+        """Nothing to release."""
