@@ -62,13 +62,16 @@ class Placement:
     def is_leader(self) -> bool:
         return self.rank == self.leader
 
+    def on_my_node(self, rank: int) -> bool:
+        return rank // self.per_node == self.rank // self.per_node
+
     def owner(self, prompt_index: int) -> int:
         """The process that trains on the step's prompt ``prompt_index``."""
         return prompt_index % self.world_size
 
 
 def rollout_on_node(
-    node: Placement,
+    placement: Placement,
     tasks: Sequence[Task],
     samples_per_task: int,
     rollout: Callable[[list[Task]], list[CloneTree]],
@@ -80,20 +83,20 @@ def rollout_on_node(
     `RolloutEngine.rollout` does); other processes never call it.
     """
     share: list[list[CloneTree]] | None = None
-    if node.is_leader:
-        on_node = [i for i in range(len(tasks)) if node.owner(i) // node.per_node == node.rank // node.per_node]
+    if placement.is_leader:
+        on_node = [i for i in range(len(tasks)) if placement.on_my_node(placement.owner(i))]
         trees = rollout([tasks[i] for i in on_node])
-        share = [[] for _ in range(node.world_size)]
+        share = [[] for _ in range(placement.world_size)]
         for position, index in enumerate(on_node):
             group = trees[position * samples_per_task : (position + 1) * samples_per_task]
-            share[node.owner(index)].extend(group)
-    if node.world_size == 1:
+            share[placement.owner(index)].extend(group)
+    if placement.world_size == 1:
         return share[0]
     mine: list[CloneTree] = []
-    for leader in range(0, node.world_size, node.per_node):
+    for leader in range(0, placement.world_size, placement.per_node):
         received: list = [None]
-        dist.scatter_object_list(received, share if node.rank == leader else None, src=leader)
-        if leader == node.leader:
+        dist.scatter_object_list(received, share if placement.rank == leader else None, src=leader)
+        if leader == placement.leader:
             mine = received[0]
     return mine
 

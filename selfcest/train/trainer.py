@@ -167,12 +167,11 @@ class GRPOTrainer:
             torch.set_num_threads(trainer.cpu_threads)
         # cpu=True on machines without CUDA: without it, two CPU processes each think they
         # are alone and never synchronise gradients.
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
-        check_supported(self.accelerator)
-        self.sharded = is_sharded(self.accelerator)
-        acc = self.accelerator
+        self.accelerator = acc = Accelerator(cpu=not torch.cuda.is_available())
+        check_supported(acc)
+        self.sharded = is_sharded(acc)
         # Where rollouts happen: in every process, or on each node's first (node_rollout.py).
-        self.node = Placement.of(acc.process_index, acc.num_processes) if config.rollout.engine_per_node else None
+        self.placement = Placement.of(acc.process_index, acc.num_processes) if config.rollout.engine_per_node else None
         policy = policy or build_policy(config)
         model = policy.model
         if self.sharded:
@@ -181,7 +180,7 @@ class GRPOTrainer:
             self._warm_start(policy)
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        device = self.accelerator.device
+        device = acc.device
         # Built before sharding, from full weights: the KL reference, and the model rollouts
         # decode with. Under FSDP the latter is a copy of its own (see sharding.py).
         self.reference = self._reference_model(model, device)
@@ -196,17 +195,17 @@ class GRPOTrainer:
         total_updates = trainer.steps * trainer.optimizer_steps_per_step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(trainer.schedule, trainer.warmup_steps, total_updates))
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.model, self.optimizer = acc.prepare(model, optimizer)
         # After prepare: under FSDP the parameters are new (sharded) tensors.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.state = TrainerState(step=0, epoch=0, cursor=0, weight_version=self.backend.weight_version)
         if resume_from is not None:
             self.state = load_checkpoint(resume_from, self._unwrapped, self.optimizer, self.scheduler,
-                                         rank=self.accelerator.process_index)
+                                         rank=acc.process_index)
             self._publish_weights()
         self.sampler = TaskSampler(self.train_tasks, trainer.seed, self.state.epoch, self.state.cursor)
         self.logger = None
-        if self.accelerator.is_main_process:
+        if acc.is_main_process:
             self.logger = RunLogger(trainer.output_dir, asdict(config), config.log.wandb,
                                     config.log.wandb_project, config.name, config.log.tensorboard,
                                     resume=resume_from is not None)
@@ -230,7 +229,7 @@ class GRPOTrainer:
 
     def _build_backend(self):
         rollout = self.config.rollout
-        if self.node is not None and not self.node.is_leader:
+        if self.placement is not None and not self.placement.is_leader:
             return FollowerBackend()
         if rollout.backend == "vllm":
             from selfcest.rollout.backends.vllm import VLLMBackend
@@ -249,16 +248,16 @@ class GRPOTrainer:
 
     def _follow_leader_version(self) -> None:
         """With an engine per node, take the weight version the node's engine serves."""
-        if self.node is not None:
-            self.backend.weight_version = self._gather(self.backend.weight_version)[self.node.leader]
+        if self.placement is not None:
+            self.backend.weight_version = self._gather(self.backend.weight_version)[self.placement.leader]
 
     def _rollout(self, tasks: Sequence[Task], samples_per_task: int, engine: RolloutEngine) -> list[CloneTree]:
         """This process's trees for its share of the step's ``tasks`` (prompt i goes to
         process i % world size), from its own engine or its node's."""
         acc = self.accelerator
-        if self.node is None:
+        if self.placement is None:
             return engine.rollout(tasks[acc.process_index :: acc.num_processes], samples_per_task)
-        return rollout_on_node(self.node, tasks, samples_per_task, lambda mine: engine.rollout(mine, samples_per_task))
+        return rollout_on_node(self.placement, tasks, samples_per_task, lambda mine: engine.rollout(mine, samples_per_task))
 
     def _reference_model(self, model, device):
         """The KL reference: the base with the adapter disabled (LoRA), else a frozen copy."""

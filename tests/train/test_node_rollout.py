@@ -16,6 +16,7 @@ def test_nodes_are_contiguous_blocks_of_ranks():
     assert [n.leader for n in nodes] == [0] * 8 + [8] * 8
     assert [n.rank for n in nodes if n.is_leader] == [0, 8]
     assert [nodes[0].owner(i) for i in (0, 5, 16, 17)] == [0, 5, 0, 1]
+    assert nodes[3].on_my_node(7) and not nodes[3].on_my_node(8) and nodes[9].on_my_node(15)
 
 
 def test_uneven_nodes_are_refused():
