@@ -21,20 +21,30 @@ from test_trainer import DIGIT_REWARD, small_config
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-def launch(folder: Path, mode: str, port: int, processes: int = 2, env: dict | None = None) -> list[dict]:
-    """Processes of distributed_worker.py; what each rank wrote (weights under "weights";
+def launch(folder: Path, mode: str, port: int, processes: int = 2, env: dict | None = None,
+           nodes: int = 1) -> list[dict]:
+    """``processes`` processes of distributed_worker.py on each of ``nodes`` simulated nodes
+    (one torchrun each, as on a cluster); what each rank wrote (weights under "weights";
     for a refused setup, the error under "refused")."""
     folder.mkdir()
     reward = folder / "digit_reward.py"
     reward.write_text(DIGIT_REWARD)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(port),
-         str(WORKER), str(folder), f"{reward}:reward", mode],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    cluster = ["--nnodes", str(nodes), "--master_addr", "127.0.0.1"]
+    launchers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+             "--master_port", str(port), *cluster, "--node_rank", str(node),
+             str(WORKER), str(folder), f"{reward}:reward", mode],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        )
+        for node in range(nodes)
+    ]
+    for launcher in launchers:
+        _, stderr = launcher.communicate(timeout=600)
+        assert launcher.returncode == 0, stderr[-3000:]
     ranks = []
-    for r in range(processes):
+    for r in range(processes * nodes):
         if (folder / f"refused{r}.txt").exists():
             ranks.append({"refused": (folder / f"refused{r}.txt").read_text()})
             continue
@@ -129,6 +139,18 @@ def test_one_engine_per_node_trains_what_one_process_trains(tmp_path):
     # measured: the gradients are summed in another order and Adam divides by their size).
     # Other trees move weights by ~4e-2 here (a plain DDP run against the single process).
     assert_same(node[0]["weights"], alone[0]["weights"], atol=1e-4)
+
+
+@pytest.mark.distributed
+def test_one_engine_per_node_on_two_nodes(tmp_path):
+    ranks = launch(tmp_path / "run", "node", 29540, processes=2, nodes=2)
+    # Each node's first process served its node; trees crossed no node boundary wrongly:
+    # every rank trained on fresh trees to the same weights.
+    assert [r["backend"] for r in ranks] == ["HFBackend", "FollowerBackend"] * 2
+    assert [r["stale_refused"] for r in ranks] == [0] * 4
+    assert ranks[0]["changed"] == ranks[0]["trainable"]
+    for other in ranks[1:]:
+        assert_same(ranks[0]["weights"], other["weights"])
 
 
 @pytest.mark.vllm
