@@ -2,8 +2,8 @@
 
 One training step::
 
-    tasks   = the next `prompts_per_step` prompts (each process takes its share)
-    trees   = engine.rollout(tasks, trees_per_prompt)          # every branch, every tree
+    tasks   = the next `prompts_per_step` prompts (prompt i belongs to process i % world)
+    trees   = engine.rollout(my tasks, trees_per_prompt)       # every branch, every tree
     rewards = reward_fn(tree, task) for each tree               # one global score per tree
     adv     = compute_advantages(trees, credit)                 # group-relative, then credit
     samples = one per node: its full context, trained on its sampled tokens only
@@ -11,8 +11,10 @@ One training step::
         micro-batches under a token budget, PPO-clip loss, exact global aggregation
     backend.sync_weights(model)                                 # next rollout sees new weights
 
-A group (all trees of one prompt) is always rolled out on one process, so its advantages
-are computed where all its trees are; metrics are averaged across processes.
+A group (all trees of one prompt) always lands on one process, so its advantages are
+computed where all its trees are; metrics are averaged across processes. Trees are rolled
+out by each process's own engine, or by its node's (`node_rollout.py`); training is data
+parallel or FSDP2-sharded (`sharding.py`).
 
 Simplifications, stated: the rollout and the update alternate (no asynchronous rollout);
 counterfactual credit re-runs only the continuation of the root (clones of clones take
