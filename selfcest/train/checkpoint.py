@@ -135,17 +135,21 @@ def load_checkpoint(folder: str | Path, model, optimizer, scheduler, rank: int =
     optimizer state, and sends every process its part (its shard, under FSDP)."""
     folder = Path(folder)
     share = _distributed()
-    weights, optimizer_state = {}, {}
+    weights, optimizer_state, problem = {}, {}, None
     if rank == 0 or not share:
-        weights = load_file(folder / "model.safetensors")
-        expected = trainable_names(model)
-        if set(weights) != expected:
-            missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
-            raise ValueError(
-                f"checkpoint {folder} does not match the model: missing {missing[:5]}, "
-                f"unexpected {extra[:5]} (was it saved with another model or LoRA setting?)"
-            )
-        optimizer_state = torch.load(folder / "optimizer.pt", weights_only=True)
+        try:
+            weights, optimizer_state = _read_checkpoint(folder, trainable_names(model))
+        except Exception as error:  # any failure: relayed to every rank below, then raised
+            problem = error
+    if share:
+        # Rank 0 tells every rank whether it could read the checkpoint, so that a bad one
+        # fails on all of them instead of leaving the others waiting for its tensors.
+        verdict = [None if problem is None else f"{type(problem).__name__}: {problem}"]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None and problem is None:
+            problem = RuntimeError(f"rank 0 could not load checkpoint {folder}: {verdict[0]}")
+    if problem is not None:
+        raise problem
     # strict=False: the file holds the trainable parameters only, frozen ones stay as built.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=share, strict=False)
     set_model_state_dict(model, weights, options=options)
@@ -157,6 +161,18 @@ def load_checkpoint(folder: str | Path, model, optimizer, scheduler, rank: int =
     data = json.loads((folder / "state.json").read_text())
     data.pop("world_size", None)
     return TrainerState(**data)
+
+
+def _read_checkpoint(folder: Path, expected: set[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """The weights and optimizer state of a checkpoint, checked against the model's names."""
+    weights = load_file(folder / "model.safetensors")
+    if set(weights) != expected:
+        missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        raise ValueError(
+            f"checkpoint {folder} does not match the model: missing {missing[:5]}, "
+            f"unexpected {extra[:5]} (was it saved with another model or LoRA setting?)"
+        )
+    return weights, torch.load(folder / "optimizer.pt", weights_only=True)
 
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:

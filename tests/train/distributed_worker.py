@@ -44,7 +44,7 @@ def fsdp_accelerator(**kwargs) -> Accelerator:
     return accelerator
 
 
-def config(resume: bool = False) -> TrainConfig:
+def config(resume: bool = False, lora: bool = "lora" in mode) -> TrainConfig:
     config = TrainConfig()
     config.task.reward = reward
     config.task.params = {"split": "train", "n_train": 32, "n_test": 4, "n_ood": 4}
@@ -65,7 +65,7 @@ def config(resume: bool = False) -> TrainConfig:
         config.model.name = "small"  # vLLM's CPU attention needs heads of 32
         config.rollout.backend = "vllm"
         config.rollout.vllm = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True}
-    if "lora" in mode:
+    if lora:
         config.model.lora = LoraSettings(r=4, alpha=8)
     return config
 
@@ -105,6 +105,12 @@ def main() -> None:
     resumed_step = resumed.state.step
     resumed_equal = all(torch.equal(after[n], p) for n, p in full(resumed.policy.model).items())
     resumed.close()
+    mismatch = None
+    if mode == "ddp":  # a checkpoint that does not fit the model fails on every rank
+        try:
+            GRPOTrainer(config(resume=True, lora=True))
+        except (ValueError, RuntimeError) as error:
+            mismatch = str(error)
 
     save_file({f"{k}": v.contiguous() for k, v in after.items()}, out / f"rank{rank}.safetensors")
     (out / f"rank{rank}.json").write_text(json.dumps({
@@ -117,6 +123,7 @@ def main() -> None:
                             if p.requires_grad),
         "resumed_step": resumed_step,
         "resumed_equal": resumed_equal,
+        "mismatch": mismatch,
     }))
 
 

@@ -78,6 +78,10 @@ def test_two_process_ddp_keeps_ranks_identical(ddp):
     assert ddp[0]["changed"] == ddp[0]["trainable"]  # every parameter trained
     assert_same(ddp[0]["weights"], ddp[1]["weights"])  # on synchronised gradients
     assert [r["resumed_step"] for r in ddp] == [2, 2] and all(r["resumed_equal"] for r in ddp)
+    # A checkpoint of another model (here: without LoRA) is refused on every rank, not
+    # only on the one that reads it (the others would wait for its tensors forever).
+    assert "does not match the model" in ddp[0]["mismatch"]
+    assert "rank 0 could not load" in ddp[1]["mismatch"]
 
 
 @pytest.mark.distributed
