@@ -5,7 +5,7 @@ accuracy-cost Pareto frontier over monolithic baselines at matched inference bud
 (2) generalises out of distribution. This script tests both at laptop scale::
 
     python -m selfcest.experiments.cpu_repro            # make run; ~10 min on 2 cores
-    python -m selfcest.experiments.cpu_repro --quick    # the test-sized variant (~5 min)
+    python -m selfcest.experiments.cpu_repro --quick    # the test-sized variant (3-5 min)
     python -m selfcest.experiments.cpu_repro trainer.steps=40 rollout.budget.node_context=320
 
 Settings live in ``configs/experiment/cpu_repro.yaml`` (``cpu_repro_quick.yaml``); extra
