@@ -80,8 +80,9 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    # Collectives: every rank gathers, rank 0 receives whole tensors on the CPU.
-    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # Collectives: every rank gathers, rank 0 receives whole tensors on the CPU (frozen
+    # weights stay where they are: a LoRA checkpoint moves the adapters only).
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     weights = get_model_state_dict(model, options=whole)
     optimizer_state = get_optimizer_state_dict(model, _torch_optimizer(optimizer), options=whole)
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")

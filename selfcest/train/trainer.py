@@ -173,7 +173,9 @@ class GRPOTrainer:
         check_supported(acc)
         self.sharded = is_sharded(acc)
         # Where rollouts happen: in every process, or on each node's first (node_rollout.py).
-        self.placement = Placement.of(acc.process_index, acc.num_processes) if config.rollout.engine_per_node else None
+        self.placement = None
+        if config.rollout.engine_per_node:
+            self.placement = Placement.of(acc.process_index, acc.num_processes)
         policy = policy or build_policy(config)
         model = policy.model
         if self.sharded:
@@ -186,7 +188,9 @@ class GRPOTrainer:
         # Built before sharding, from full weights: the KL reference, and the model rollouts
         # decode with. Under FSDP the latter is a copy of its own (see sharding.py).
         self.reference = self._reference_model(model, device)
-        self.rollout_model = copy.deepcopy(model).to(device).eval().requires_grad_(False) if self.sharded else model
+        self.rollout_model = model
+        if self.sharded:
+            self.rollout_model = copy.deepcopy(model).to(device).eval().requires_grad_(False)
         self.policy = ClonePolicy(self.rollout_model, policy.tokenizer, policy.protocol)
         self.backend = backend or self._build_backend()
         if backend is not None and config.warm_start.tasks and resume_from is None:
@@ -259,7 +263,8 @@ class GRPOTrainer:
         acc = self.accelerator
         if self.placement is None:
             return engine.rollout(tasks[acc.process_index :: acc.num_processes], samples_per_task)
-        return rollout_on_node(self.placement, tasks, samples_per_task, lambda mine: engine.rollout(mine, samples_per_task))
+        return rollout_on_node(self.placement, tasks, samples_per_task,
+                               lambda mine: engine.rollout(mine, samples_per_task))
 
     def _reference_model(self, model, device):
         """The KL reference: the base with the adapter disabled (LoRA), else a frozen copy."""

@@ -4,9 +4,10 @@
     distributed_worker.py OUT REWARD ddp|node|node_vllm|fsdp|fsdp_lora|fsdp_lora_tokens
 
 ``node`` is data parallel with one engine for the node, on its first process
-(rollout.engine_per_node); ``node_vllm`` the same with a vLLM engine. ``fsdp_lora`` passes a LoRA policy without trainable tokens (what a pretrained model whose
-vocabulary holds the protocol's tokens gets); ``fsdp_lora_tokens`` the config's own, which
-the trainer must refuse.
+(rollout.engine_per_node); ``node_vllm`` the same with a vLLM engine. ``fsdp_lora`` passes
+a LoRA policy without trainable tokens (what a pretrained model whose vocabulary holds the
+protocol's tokens gets); ``fsdp_lora_tokens`` the config's own, which the trainer must
+refuse.
 
 accelerate shards only on accelerators (on CPU it falls back to DDP), so for ``fsdp`` the
 trainer's accelerator gets the state accelerate's launcher sets from

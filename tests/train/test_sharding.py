@@ -43,5 +43,6 @@ def test_unsupported_setups_name_the_fix(kind, plugin, named):
 def test_the_shipped_fsdp_config_is_one_the_trainer_runs():
     shipped = yaml.safe_load((ROOT / "configs" / "accelerate" / "fsdp.yaml").read_text())
     fsdp = shipped["fsdp_config"]
-    check_supported(accelerator(DistributedType(shipped["distributed_type"]), fsdp_version=fsdp["fsdp_version"],
+    check_supported(accelerator(DistributedType(shipped["distributed_type"]),
+                                fsdp_version=fsdp["fsdp_version"],
                                 cpu_ram_efficient_loading=fsdp["fsdp_cpu_ram_efficient_loading"]))
