@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import random
 import shutil
 import statistics
 import time
@@ -43,13 +42,13 @@ import torch
 
 from selfcest.budget import Budget
 from selfcest.cli import CONFIG_DIR
+from selfcest.eval.stats import bootstrap_mean
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.tasks import load_tasks
 from selfcest.tasks.keyed_sum import inline_view
 from selfcest.train.config import TrainConfig
-from selfcest.train.sft import held_out_tasks
-from selfcest.train.sft import warm_start
+from selfcest.train.sft import held_out_tasks, warm_start
 from selfcest.train.trainer import GRPOTrainer, build_policy, build_reward
 
 
@@ -78,12 +77,9 @@ class HeldOut:
 
     def difference(self, start: HeldOut, resamples: int = 2000, seed: int = 0) -> dict[str, float]:
         """Mean paired reward difference (self − start) over tasks, with a 95% bootstrap CI."""
-        diffs = [a - b for a, b in zip(self.reward, start.reward)]
-        rng = random.Random(seed)
-        means = sorted(statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(resamples))
+        paired = bootstrap_mean([a - b for a, b in zip(self.reward, start.reward)], resamples, seed=seed)
         return {"reward": statistics.fmean(self.reward), "start": statistics.fmean(start.reward),
-                "difference": statistics.fmean(diffs), "low": means[int(0.025 * resamples)],
-                "high": means[int(0.975 * resamples) - 1],
+                "difference": paired.value, "low": paired.low, "high": paired.high,
                 "accuracy": statistics.fmean(self.accuracy),
                 "start_accuracy": statistics.fmean(start.accuracy)}
 

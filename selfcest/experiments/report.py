@@ -8,12 +8,11 @@ bootstrap intervals of the difference (paired over tasks).
 from __future__ import annotations
 
 import json
-import random
-import statistics
 from pathlib import Path
 
 from selfcest.eval.pareto import compare_frontiers
 from selfcest.eval.results import CellResult, EvalResults
+from selfcest.eval.stats import bootstrap_mean
 from selfcest.eval.view import read_trees, render_html
 from selfcest.policy import SIZES
 from selfcest.train.config import TrainConfig
@@ -30,10 +29,8 @@ def paired_difference(results: EvalResults, out: Path, a: str, b: str, budget: i
         return {t.task_id: float(bool(t.correct)) for t in read_trees(out / cell.trees_file)}
 
     left, right = correct(a), correct(b)
-    diffs = [left[task] - right[task] for task in sorted(left)]
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(resamples))
-    return statistics.fmean(diffs), means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    paired = bootstrap_mean([left[task] - right[task] for task in sorted(left)], resamples, seed=seed)
+    return paired.value, paired.low, paired.high
 
 
 def training_curves(histories: dict[str, list[dict]], path: Path) -> Path:

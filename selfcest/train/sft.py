@@ -13,7 +13,7 @@ steps of 16 sequences beat 500 steps of 64), so the defaults take many small ste
 
 from __future__ import annotations
 
-import math
+import json
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -23,9 +23,16 @@ from pathlib import Path
 import torch
 
 from selfcest.algo.advantages import Advantages
-from selfcest.algo.losses import token_logprobs
 from selfcest.policy import ClonePolicy
-from selfcest.train.batching import MicroBatch, TrainingSample, collate, make_micro_batches, samples_from_trees
+from selfcest.train.batching import (
+    MicroBatch,
+    TrainingSample,
+    collate,
+    forward_logprobs,
+    make_micro_batches,
+    samples_from_trees,
+)
+from selfcest.train.schedule import lr_lambda
 from selfcest.tasks.base import Task
 from selfcest.tree import CloneTree
 
@@ -62,14 +69,6 @@ class SFTConfig:
         if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.final_lr_fraction <= 1:
             raise ValueError("sft.lr must be > 0, warmup_steps >= 0, final_lr_fraction in [0, 1]")
 
-    def lr_factor(self, step: int) -> float:
-        """Multiplier of the peak learning rate at optimizer step ``step`` (from 0)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps))
-        low = self.final_lr_fraction
-        return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
-
 
 def sft_samples(trees: Sequence[CloneTree], spawner_repeats: int = 1) -> list[TrainingSample]:
     """One sample per node with sampled tokens, advantage 1 (plain likelihood); a node that
@@ -89,10 +88,7 @@ def sft_samples(trees: Sequence[CloneTree], spawner_repeats: int = 1) -> list[Tr
 def sft_loss(model, batch: MicroBatch) -> torch.Tensor:
     """Negative log-likelihood of the sampled tokens, weighted by ``batch.token_weights``
     (zero on prompt, return, notice and padding tokens, so those never get a gradient)."""
-    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=positions).logits
-    return -(token_logprobs(logits, batch.input_ids) * batch.token_weights).sum()
+    return -(forward_logprobs(model, batch)[0] * batch.token_weights).sum()
 
 
 def train_sft(
@@ -112,7 +108,8 @@ def train_sft(
     model = policy.model
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_factor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda("cosine", config.warmup_steps, config.steps, config.final_lr_fraction))
     device = next(model.parameters()).device
     pad_id = policy.tokenizer.pad_token_id
     rng = random.Random(config.seed)
@@ -165,12 +162,19 @@ def warm_start(
     return train_sft(policy, trees, section.sft, log=log)
 
 
+def logged_warm_start(policy: ClonePolicy, config, folder: Path) -> list[dict[str, float]]:
+    """`warm_start` leaving out the config's held-out tasks, with its loss curve written to
+    ``folder/sft.jsonl`` (one JSON line per step); returns the per-step metrics."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "sft.jsonl", "w") as log:
+        return warm_start(policy, config, held_out_tasks(config),
+                          log=lambda step, m: log.write(json.dumps({"step": step, **m}) + "\n"))
+
+
 def run_warm_start(config) -> Path:
     """``selfcest-sft``: validate a `TrainConfig`, warm-start its model as its ``warm_start``
     section says (leaving out its evaluation tasks), and save the policy and the loss curve
     (``sft.jsonl``) under ``<trainer.output_dir>/sft``; returns that folder."""
-    import json
-
     from selfcest.train.config import ConfigError, validate
     from selfcest.train.trainer import build_policy
 
@@ -178,13 +182,10 @@ def run_warm_start(config) -> Path:
     if not config.warm_start.tasks:
         raise ConfigError("warm_start.tasks is empty: give a task source for the teacher to demonstrate")
     out = Path(config.trainer.output_dir) / "sft"
-    out.mkdir(parents=True, exist_ok=True)
     if config.trainer.cpu_threads:
         torch.set_num_threads(config.trainer.cpu_threads)
     policy = build_policy(config)
-    with open(out / "sft.jsonl", "w") as log:
-        warm_start(policy, config, held_out_tasks(config),
-                   log=lambda step, m: log.write(json.dumps({"step": step, **m}) + "\n"))
+    logged_warm_start(policy, config, out)
     policy.save_pretrained(out)
     return out
 

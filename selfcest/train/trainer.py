@@ -26,8 +26,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import json
-import math
 import random
 import statistics
 import time
@@ -45,7 +43,6 @@ from selfcest.algo.losses import (
     combine_stats,
     per_token_loss,
     token_entropy,
-    token_logprobs,
 )
 from selfcest.policy import SIZES, ClonePolicy
 from selfcest.rewards.base import RewardFn, load_reward, score_trees
@@ -56,6 +53,7 @@ from selfcest.tasks.base import Task
 from selfcest.train.batching import (
     TrainingSample,
     collate,
+    forward_logprobs,
     make_micro_batches,
     padding_fraction,
     samples_from_trees,
@@ -64,9 +62,10 @@ from selfcest.train.batching import (
 from selfcest.train.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
 from selfcest.train.config import SMOLLM2, ConfigError, TrainConfig, validate
 from selfcest.train.logging import RunLogger
+from selfcest.train.schedule import lr_lambda
 from selfcest.train.node_rollout import FollowerBackend, Placement, rollout_on_node
 from selfcest.train.sharding import check_model, check_supported, full_weights, is_sharded
-from selfcest.train.sft import held_out_tasks, warm_start
+from selfcest.train.sft import logged_warm_start
 from selfcest.tree import CloneTree
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -123,22 +122,6 @@ def build_reward(config: TrainConfig) -> RewardFn:
         return load_reward(config.task.reward, config.task.reward_params)
     except ValueError as error:
         raise ConfigError(f"task.reward: {error}") from None
-
-
-def lr_lambda(schedule: str, warmup: int, total: int):
-    """LR multiplier per optimizer step: linear warmup, then constant / linear / cosine to 0."""
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if schedule == "linear":
-            return 1.0 - progress
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return factor
 
 
 class GRPOTrainer:
@@ -222,11 +205,7 @@ class GRPOTrainer:
     def _warm_start(self, policy: ClonePolicy) -> None:
         """Supervised warm start on teacher demonstrations, before sharding and the first
         step. Every process runs it identically (same data, same seed), so they agree."""
-        out = Path(self.config.trainer.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "sft.jsonl", "w") as log:
-            warm_start(policy, self.config, held_out_tasks(self.config),
-                       log=lambda step, m: log.write(json.dumps({"step": step, **m}) + "\n"))
+        logged_warm_start(policy, self.config, Path(self.config.trainer.output_dir))
 
     @property
     def _unwrapped(self):
@@ -459,10 +438,7 @@ class GRPOTrainer:
     def _logprobs(self, model, mb) -> tuple[torch.Tensor, torch.Tensor]:
         """Input-aligned logprobs of the sampling distribution (logits / temperature), and
         the tempered logits."""
-        positions = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=positions).logits
-        logits = logits / (self.config.rollout.temperature or 1.0)
-        return token_logprobs(logits, mb.input_ids), logits
+        return forward_logprobs(model, mb, self.config.rollout.temperature or 1.0)
 
     def _backward(self, batch: list[TrainingSample], weights: list[float], proximal) -> dict[str, float]:
         loss_config = self.config.algo.loss
