@@ -1,6 +1,6 @@
 """Advantages and credit: from one global reward per tree to one advantage per node.
 
-`compute_advantages(trees, config)` runs five stages, in this order:
+`compute_advantages(trees, config)` runs these stages, in this order:
 
 1. **Tree gates.** A tree whose root finished with ``"error"`` is dropped
    (``drop_error_trees``): its reward scores the infrastructure (an overlong prompt, a failed
@@ -17,10 +17,28 @@
    ``s_g = 1``. A one-tree group gets ``A = 0``.
 4. **Credit.** The strategy gives every node of the tree an advantage (see
    `broadcast_credit`, `ratio_credit`, `sibling_credit`, `counterfactual_credit`); the root
-   always keeps ``A_i``.
+   always keeps ``A_i``. The clone terms of `sibling` and `counterfactual` are reward
+   differences between clones, not between trees, so they get a scale of their own (see
+   "Scales and bounds").
 5. **Malformed gate.** Clones listed in ``tree.info["malformed_nodes"]`` get advantage 0
    (``zero_malformed_clones``): their output broke the format rule, so it is neither
    reinforced when the tree succeeded nor pushed around when it failed.
+
+**Scales and bounds.** Without ``std_normalize`` every advantage is in reward units: a root
+advantage is a difference of tree rewards, a sibling term a difference of clone rewards, a
+counterfactual credit a difference of tree rewards; none exceeds the spread of the rewards
+it compares. With ``std_normalize`` the root advantage of a group is divided by the spread of
+that group's root rewards, and each clone term by the spread of the clone terms themselves:
+``c_g = rms_g + eps``, the root mean square of the raw clone terms of all clones in group g.
+Dividing a clone term by the root rewards' spread (as this module once did) mixed two
+unrelated scales: two trees whose rewards differ by a 0.001 token cost gave their clones
+advantages of ~1,400 whenever the clones' own rewards differed by 1. The root mean square
+(not the std) keeps the zero of a term: a clone the tree did not need keeps credit 0.
+A z-score is bounded by the group's size (``|A| <= sqrt(n)`` for n trees, or n clone terms),
+so, to bound every advantage by one constant whatever the group sizes and rewards, the final
+advantage of every node is clipped to ``[-max_abs_advantage, max_abs_advantage]`` when
+``std_normalize`` (``adv/clipped_frac`` reports how often that binds; it never binds on the root
+of a group of at most 26 trees). The constant: ``max_abs_advantage`` (default 5).
 
 Every gate reports what it removed in ``Advantages.metrics``.
 """
@@ -53,12 +71,15 @@ class CreditConfig:
     # Credit strategy: "broadcast", "ratio", "sibling" or "counterfactual" (see the
     # function of each name + "_credit").
     strategy: str = "broadcast"
-    # Divide root advantages by the group's std + eps. Off by default: one published ablation
-    # found it hurts with shaped rewards, where a group that differs only by small cost
-    # penalties gets those tiny differences blown up to unit scale.
+    # Divide root advantages by the group's std + eps, and clone terms by their own spread
+    # (module docstring, "Scales and bounds"). Off by default: one published ablation found
+    # it hurts with shaped rewards, where a group that differs only by small cost penalties
+    # gets those tiny differences blown up to unit scale.
     std_normalize: bool = False
-    # Added to the group std when std_normalize (the reference's 1e-6).
+    # Added to every spread a term is divided by when std_normalize (the reference's 1e-6).
     eps: float = 1e-6
+    # std_normalize: every advantage is clipped to [-max_abs_advantage, max_abs_advantage].
+    max_abs_advantage: float = 5.0
     # `ratio`: the clone/root reward ratio is clipped to [0, ratio_clip] (the reference's 1.5).
     ratio_clip: float = 1.5
     # `ratio`: delta added to both reward magnitudes, so the ratio is defined and continuous
@@ -78,7 +99,7 @@ class CreditConfig:
             raise ValueError(
                 f"credit.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
             )
-        for name in ("eps", "ratio_clip", "ratio_smoothing"):
+        for name in ("eps", "max_abs_advantage", "ratio_clip", "ratio_smoothing"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"credit.{name} must be a number, got {value!r}")
@@ -118,15 +139,7 @@ def compute_advantages(trees: Sequence[CloneTree], config: CreditConfig) -> Adva
         "gate/zero_variance_trees": 0.0,
         "gate/malformed_clones": 0.0,
     }
-    keep = [True] * len(trees)
-    for i, tree in enumerate(trees):
-        if config.drop_error_trees and tree.root.finish_reason == "error":
-            keep[i] = False
-            metrics["gate/error_trees"] += 1
-        elif config.drop_truncated_trees and is_truncated(tree):
-            keep[i] = False
-            metrics["gate/truncated_trees"] += 1
-
+    keep = _gate_trees(trees, config, metrics)
     groups: dict[int, list[int]] = {}
     for i, tree in enumerate(trees):
         if keep[i]:
@@ -134,7 +147,7 @@ def compute_advantages(trees: Sequence[CloneTree], config: CreditConfig) -> Adva
 
     rewards = {i: _tree_reward(trees[i]) for members in groups.values() for i in members}
     root_advantage: dict[int, float] = {}
-    scale: dict[int, float] = {}
+    clone_terms: dict[int, dict[str, float]] = {}
     for members in groups.values():
         group_rewards = [rewards[i] for i in members]
         tied = max(group_rewards) - min(group_rewards) <= _SAME_REWARD_ATOL
@@ -144,41 +157,92 @@ def compute_advantages(trees: Sequence[CloneTree], config: CreditConfig) -> Adva
             metrics["gate/zero_variance_groups"] += 1
             metrics["gate/zero_variance_trees"] += len(members)
             continue
-        mean = math.fsum(group_rewards) / len(group_rewards)
-        group_scale = 1.0
-        if config.std_normalize and len(members) > 1:
-            group_scale = statistics.stdev(group_rewards) + config.eps
-        for i in members:
-            root_advantage[i] = (rewards[i] - mean) / group_scale
-            scale[i] = group_scale
+        root_advantage.update(_root_advantages(members, rewards, config))
+        clone_terms.update(_clone_terms(trees, members, config))
 
     per_tree: list[dict[str, float]] = [{} for _ in trees]
-    fallbacks = 0
+    fallbacks = clipped = 0
     for i, tree in enumerate(trees):
         if not keep[i]:
             continue
-        malformed = _malformed_clones(tree) if config.zero_malformed_clones else set()
-        a_root, reward = root_advantage[i], rewards[i]
+        a_root = root_advantage[i]
         if config.strategy == "broadcast":
             credit = broadcast_credit(tree, a_root)
         elif config.strategy == "ratio":
             credit = ratio_credit(tree, a_root, config.ratio_clip, config.ratio_smoothing)
         elif config.strategy == "sibling":
-            credit = sibling_credit(tree, a_root, scale[i])
+            credit = sibling_credit(tree, a_root, clone_terms[i])
         else:
-            credit = counterfactual_credit(tree, a_root, scale[i], skip=malformed)
+            credit = counterfactual_credit(tree, a_root, clone_terms[i])
         if config.strategy in ("ratio", "sibling"):
-            fallbacks += sum(1 for n in tree.clones() if _node_reward(tree, n.id, reward)[1])
+            fallbacks += sum(1 for n in tree.clones() if _node_reward(tree, n.id, rewards[i])[1])
+        malformed = _malformed_clones(tree) if config.zero_malformed_clones else set()
         for clone_id in malformed:
             credit[clone_id] = 0.0
         metrics["gate/malformed_clones"] += len(malformed)
+        if config.std_normalize:
+            bound = config.max_abs_advantage
+            clipped += sum(1 for a in credit.values() if abs(a) > bound)
+            credit = {n: min(bound, max(-bound, a)) for n, a in credit.items()}
         per_tree[i] = credit
 
     metrics.update(_advantage_stats(trees, per_tree, keep))
+    nodes = sum(len(credit) for credit in per_tree)
+    metrics["adv/clipped_frac"] = clipped / nodes if nodes else 0.0
     if config.strategy in ("ratio", "sibling"):
         clones = metrics["credit/clones"]
         metrics["credit/node_reward_fallback_frac"] = fallbacks / clones if clones else 0.0
     return Advantages(per_tree=per_tree, keep=keep, metrics=metrics)
+
+
+def _gate_trees(trees: Sequence[CloneTree], config: CreditConfig, metrics: dict) -> list[bool]:
+    """Stage 1: which trees may enter their group (error and truncation gates)."""
+    keep = [True] * len(trees)
+    for i, tree in enumerate(trees):
+        if config.drop_error_trees and tree.root.finish_reason == "error":
+            keep[i] = False
+            metrics["gate/error_trees"] += 1
+        elif config.drop_truncated_trees and is_truncated(tree):
+            keep[i] = False
+            metrics["gate/truncated_trees"] += 1
+    return keep
+
+
+def _root_advantages(
+    members: list[int], rewards: dict[int, float], config: CreditConfig
+) -> dict[int, float]:
+    """Stage 3: group-relative root advantages of one group (module docstring)."""
+    group_rewards = [rewards[i] for i in members]
+    mean = math.fsum(group_rewards) / len(group_rewards)
+    scale = 1.0
+    if config.std_normalize and len(members) > 1:
+        scale = statistics.stdev(group_rewards) + config.eps
+    return {i: (rewards[i] - mean) / scale for i in members}
+
+
+def _clone_terms(
+    trees: Sequence[CloneTree], members: list[int], config: CreditConfig
+) -> dict[int, dict[str, float]]:
+    """The scaled clone terms of `sibling` or `counterfactual` for each tree of one group.
+
+    Raw terms are reward differences (`sibling_differences`, `counterfactual_differences`);
+    with ``std_normalize`` they are divided by their own root mean square over the group
+    plus eps (module docstring, "Scales and bounds").
+    """
+    if config.strategy == "sibling":
+        raw = {i: sibling_differences(trees[i]) for i in members}
+    elif config.strategy == "counterfactual":
+        skip = {i: _malformed_clones(trees[i]) if config.zero_malformed_clones else set()
+                for i in members}
+        raw = {i: counterfactual_differences(trees[i], skip[i]) for i in members}
+    else:
+        return {}
+    scale = 1.0
+    if config.std_normalize:
+        values = [v for terms in raw.values() for v in terms.values()]
+        rms = math.sqrt(math.fsum(v * v for v in values) / len(values)) if values else 0.0
+        scale = rms + config.eps
+    return {i: {c: v / scale for c, v in terms.items()} for i, terms in raw.items()}
 
 
 # --------------------------------------------------------------------- credit strategies
@@ -234,27 +298,18 @@ def ratio_credit(
     return credit
 
 
-def sibling_credit(tree: CloneTree, root_advantage: float, scale: float) -> dict[str, float]:
-    """Root advantage plus a leave-one-out baseline among the clones of one spawn call.
+def sibling_differences(tree: CloneTree) -> dict[str, float]:
+    """Each clone's reward minus a leave-one-out baseline among the clones of its spawn call.
 
-    For clone c started by spawn call S (``Spawn.child_ids``) with ``n = |S|`` clones::
+    For clone c started by spawn call S (``Spawn.child_ids``) with ``n = |S| >= 2`` clones::
 
-        A_c = A_root + (R_c - (sum_{j in S} R_j - R_c) / (n - 1)) / s      if n >= 2
-        A_c = A_root                                                        if n == 1
+        d_c = R_c - (sum_{j in S} R_j - R_c) / (n - 1)
 
-    ``R_j`` is clone j's node reward (the tree reward when absent), ``s`` the group scale of
-    the root advantage (``std + eps`` when std-normalising, else 1), so both terms are in the
-    same units. The first term carries the global outcome to every clone (the tree did
-    better or worse than its group); the second says whether this clone did better or
-    worse than the clones started alongside it for the same parent, by the reward function's
-    own measure. The sibling terms of one spawn call sum to zero, so they move credit
-    between siblings without changing the total. A lone clone has no sibling to compare
-    with and gets the root advantage; so do clones when the reward gives no node rewards.
-    Nested clones are compared with their own siblings and add the root advantage, not
-    their parent's. The root keeps ``A_root``.
+    ``R_j`` is clone j's node reward (the tree reward when absent). The terms of one spawn
+    call sum to zero. A clone alone in its call has no sibling to compare with and no entry.
     """
     root_reward = _tree_reward(tree)
-    credit = broadcast_credit(tree, root_advantage)
+    differences = {}
     for node in tree.nodes.values():
         for spawn in node.spawns:
             n = len(spawn.child_ids)
@@ -263,27 +318,42 @@ def sibling_credit(tree: CloneTree, root_advantage: float, scale: float) -> dict
             values = {c: _node_reward(tree, c, root_reward)[0] for c in spawn.child_ids}
             total = math.fsum(values.values())
             for clone_id, value in values.items():
-                baseline = (total - value) / (n - 1)
-                credit[clone_id] = root_advantage + (value - baseline) / scale
+                differences[clone_id] = value - (total - value) / (n - 1)
+    return differences
+
+
+def sibling_credit(
+    tree: CloneTree, root_advantage: float, terms: dict[str, float]
+) -> dict[str, float]:
+    """Root advantage plus a leave-one-out term among the clones of one spawn call.
+
+    ``A_c = A_root + t_c``, with ``t_c`` clone c's `sibling_differences` entry, scaled as the
+    module docstring says ("Scales and bounds"; 0 for a clone alone in its call). The first
+    term carries the global outcome to every clone (the tree did better or worse than its
+    group); the second says whether this clone did better or worse than the clones started
+    alongside it for the same parent, by the reward function's own measure. The terms of one
+    spawn call sum to zero, so they move credit between siblings without changing the total.
+    Without node rewards every clone gets the root advantage. Nested clones are compared
+    with their own siblings and add the root advantage, not their parent's. The root keeps
+    ``A_root``.
+    """
+    credit = broadcast_credit(tree, root_advantage)
+    for clone_id, term in terms.items():
+        credit[clone_id] = root_advantage + term
     return credit
 
 
-def counterfactual_credit(
-    tree: CloneTree, root_advantage: float, scale: float, skip: Collection[str] = ()
-) -> dict[str, float]:
-    """Difference reward: a clone's credit is what the tree would lose without its return.
+def counterfactual_differences(tree: CloneTree, skip: Collection[str] = ()) -> dict[str, float]:
+    """Difference reward of each clone: what the tree would lose without its return.
 
-    ``A_c = (R - R_cf(c)) / s``, where R is the tree's global reward, ``s`` the group scale of
-    the root advantage (std + eps or 1), and ``R_cf(c) = tree.info["counterfactual"][c]``: the
-    mean reward of K re-runs of the tree from c's spawn point with c's return replaced by a
-    null result (the trainer does the re-runs and fills this in; a clone of a clone may be
-    given its depth-1 ancestor's value, when only the root's continuation is re-run). A clone
-    whose answer the tree did not need gets 0; one the tree's success depended on gets the
-    full reward difference, whatever the other trees of the group did. The root keeps
-    ``A_root``.
+    ``d_c = R - R_cf(c)``, where R is the tree's global reward and ``R_cf(c) =
+    tree.info["counterfactual"][c]`` the mean reward of K re-runs of the tree from c's spawn
+    point with c's return replaced by a null result (the trainer does the re-runs and fills
+    this in; a clone of a clone may be given its depth-1 ancestor's value, when only the
+    root's continuation is re-run).
 
     Every clone needs an entry, except those in ``skip`` (malformed clones whose advantage
-    is zeroed anyway, so the trainer may spare their re-runs).
+    is zeroed anyway, so the trainer may spare their re-runs), which get no difference.
     """
     clone_ids = [n.id for n in tree.clones()]
     needed = [c for c in clone_ids if c not in skip]
@@ -304,12 +374,22 @@ def counterfactual_credit(
             f"missing {missing}, unknown {unknown}"
         )
     reward = _tree_reward(tree)
+    return {c: reward - float(v) for c, v in counterfactual.items() if c not in skip}
+
+
+def counterfactual_credit(
+    tree: CloneTree, root_advantage: float, terms: dict[str, float]
+) -> dict[str, float]:
+    """Difference reward: ``A_c = t_c``, clone c's `counterfactual_differences` entry, scaled
+    as the module docstring says ("Scales and bounds").
+
+    A clone whose answer the tree did not need gets 0; one the tree's success depended on
+    gets the full reward difference, whatever the other trees of the group did. A clone
+    without a re-run (a skipped malformed clone) gets 0. The root keeps ``A_root``.
+    """
     credit = {CloneTree.ROOT_ID: root_advantage}
-    for clone_id in clone_ids:
-        if clone_id in counterfactual:
-            credit[clone_id] = (reward - float(counterfactual[clone_id])) / scale
-        else:  # a skipped clone without a re-run
-            credit[clone_id] = 0.0
+    for node in tree.clones():
+        credit[node.id] = terms.get(node.id, 0.0)
     return credit
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import random
+import statistics
 
 import pytest
 
@@ -251,14 +253,45 @@ def test_sibling_adds_a_leave_one_out_term_among_clones_of_one_spawn_call():
     assert adv.metrics["credit/node_reward_fallback_frac"] == 0.0
 
 
-def test_sibling_terms_share_the_root_advantage_scale_when_std_normalising():
-    trees = [make_tree(0, 1.0, TWO_CLONES, node_rewards={"0.0": 1.0, "0.1": 0.0}),
-             make_tree(0, 0.0, sample=1)]
+def test_sibling_terms_are_scaled_by_their_own_spread_when_std_normalising():
+    spawns = {"0": [["0.0", "0.1"]]}
+    trees = [make_tree(0, 1.0, spawns, node_rewards={"0.0": 1.0, "0.1": 0.0}),
+             make_tree(0, 0.0, spawns, sample=1, node_rewards={"0.0": 0.5, "0.1": 0.5})]
     adv = compute_advantages(trees, CreditConfig(strategy="sibling", std_normalize=True))
-    s = math.sqrt(0.5) + 1e-6  # unbiased std of (1, 0) = sqrt(0.5)
-    # 0.0: 0.5 / s + (1 - 0) / s;  0.1: 0.5 / s + (0 - 1) / s
-    assert adv.per_tree[0]["0.0"] == pytest.approx(1.5 / s)
-    assert adv.per_tree[0]["0.1"] == pytest.approx(-0.5 / s)
+    s_root = math.sqrt(0.5) + 1e-6  # unbiased std of the root rewards (1, 0)
+    # raw sibling terms: +1, -1 (tree 0) and 0, 0 (tree 1): rms = sqrt(2 / 4)
+    s_clone = math.sqrt(0.5) + 1e-6
+    assert adv.per_tree[0]["0.0"] == pytest.approx(0.5 / s_root + 1 / s_clone)
+    assert adv.per_tree[0]["0.1"] == pytest.approx(0.5 / s_root - 1 / s_clone)
+    assert adv.per_tree[1]["0.0"] == pytest.approx(-0.5 / s_root)
+
+
+def test_clone_terms_of_near_tied_trees_stay_unit_sized():
+    """The audit's case: two trees whose rewards differ only by a 0.001 token cost, clones
+    whose rewards differ by 1. Divided by the root rewards' spread, the clone terms were
+    ~+1,410 for both trees' winning clones."""
+    spawns = {"0": [["0.0", "0.1"]]}
+    clones = {"0.0": 1.0, "0.1": 0.0}
+    trees = [make_tree(0, 1.0, spawns, node_rewards=clones),
+             make_tree(0, 0.999, spawns, sample=1, node_rewards=clones)]
+    adv = compute_advantages(trees, CreditConfig(strategy="sibling", std_normalize=True))
+    s_root = statistics.stdev([1.0, 0.999]) + 1e-6
+    for i, a_root in ((0, 0.0005 / s_root), (1, -0.0005 / s_root)):
+        assert adv.per_tree[i]["0"] == pytest.approx(a_root)  # about +-0.707
+        # raw terms +1, -1 in both trees: rms 1, so the clone terms are +-1
+        assert adv.per_tree[i]["0.0"] == pytest.approx(a_root + 1 / (1 + 1e-6))
+        assert adv.per_tree[i]["0.1"] == pytest.approx(a_root - 1 / (1 + 1e-6))
+
+    cf = {"0.0": 0.0, "0.1": 1.0}  # the tree needed clone 0.0's answer, not 0.1's
+    trees = [make_tree(0, 1.0, spawns, info={"counterfactual": dict(cf)}),
+             make_tree(0, 0.999, spawns, sample=1,
+                       info={"counterfactual": {"0.0": 0.0, "0.1": 0.999}})]
+    adv = compute_advantages(trees, CreditConfig(strategy="counterfactual", std_normalize=True))
+    # raw differences 1, 0, 0.999, 0: rms = sqrt((1 + 0.999^2) / 4)
+    rms = math.sqrt((1 + 0.999**2) / 4) + 1e-6
+    assert adv.per_tree[0]["0.0"] == pytest.approx(1 / rms)
+    assert adv.per_tree[0]["0.1"] == 0.0
+    assert adv.per_tree[1]["0.0"] == pytest.approx(0.999 / rms)
 
 
 def test_sibling_without_node_rewards_falls_back_to_broadcast():
@@ -284,8 +317,9 @@ def test_counterfactual_credits_each_clone_with_its_reward_difference():
 
     scaled = compute_advantages(
         trees, CreditConfig(strategy="counterfactual", std_normalize=True))
-    s = math.sqrt(0.5) + 1e-6
-    assert scaled.per_tree[0]["0.0"] == pytest.approx(0.8 / s)
+    # the group's raw differences are 0.8 and 0 (0.2 skipped): rms = 0.8 / sqrt(2)
+    assert scaled.per_tree[0]["0.0"] == pytest.approx(0.8 / (0.8 / math.sqrt(2) + 1e-6))
+    assert scaled.per_tree[0]["0.1"] == 0.0
 
 
 def test_counterfactual_without_its_input_is_a_clear_error():
@@ -300,6 +334,69 @@ def test_counterfactual_without_its_input_is_a_clear_error():
     # A tree without clones needs no re-runs.
     alone = [make_tree(0, 1.0), make_tree(0, 0.0, sample=1)]
     assert compute_advantages(alone, CreditConfig(strategy="counterfactual")).keep == [True, True]
+
+
+# ------------------------------------------------------------------ bounds
+
+
+def random_group(rng: random.Random, task_index: int) -> list:
+    """Trees of one prompt with rewards drawn to include exact ties, near-ties (1e-7, 1e-12,
+    one cost penalty of 1e-3) and wide spreads, random spawn calls, node rewards and
+    counterfactual values."""
+    base = rng.choice([0.0, 1.0, rng.uniform(-3, 3)])
+    jitter = rng.choice([0.0, 1e-12, 1e-7, 1e-3, 1.0, 100.0])
+    size = rng.randint(1, 32)
+    trees = []
+    for sample in range(size):
+        spawns = {"0": [[f"0.{k}" for k in range(rng.randint(1, 6))]
+                        for _ in range(rng.randint(0, 2))]}
+        ids = [c for call in spawns["0"] for c in call]
+        ids = [f"0.{n}" for n in range(len(ids))]  # unique ids across calls
+        calls, at = [], 0
+        for call in spawns["0"]:
+            calls.append(ids[at: at + len(call)])
+            at += len(call)
+        spawns = {"0": calls}
+        reward = base + jitter * rng.choice([0, 1, -1, rng.random()])
+        clone_jitter = rng.choice([0.0, 1e-9, 1.0, 50.0])
+        node_rewards = {c: reward + clone_jitter * rng.random() for c in ids}
+        cf = {c: reward - rng.choice([0.0, 1e-9, 1.0, 50.0]) * rng.random() for c in ids}
+        trees.append(make_tree(task_index, reward, spawns, sample=sample,
+                               node_rewards=node_rewards, info={"counterfactual": cf}))
+    return trees
+
+
+@pytest.mark.parametrize("strategy", ["broadcast", "ratio", "sibling", "counterfactual"])
+@pytest.mark.parametrize("drop_ties", [True, False])
+def test_normalised_advantages_are_bounded_by_the_documented_constant(strategy, drop_ties):
+    rng = random.Random(f"{strategy}:{drop_ties}")
+    config = CreditConfig(strategy=strategy, std_normalize=True,
+                          drop_zero_variance_groups=drop_ties)
+    for _ in range(60):
+        trees = [t for g in range(rng.randint(1, 4)) for t in random_group(rng, g)]
+        adv = compute_advantages(trees, config)
+        values = [a for credit in adv.per_tree for a in credit.values()]
+        assert all(math.isfinite(a) and abs(a) <= config.max_abs_advantage for a in values)
+
+
+@pytest.mark.parametrize("strategy", ["broadcast", "ratio", "sibling", "counterfactual"])
+def test_unnormalised_advantages_never_exceed_the_reward_spreads_they_compare(strategy):
+    rng = random.Random(strategy)
+    config = CreditConfig(strategy=strategy, drop_zero_variance_groups=False)
+    for _ in range(60):
+        trees = random_group(rng, 0)
+        adv = compute_advantages(trees, config)
+        rewards = [t.reward for t in trees]
+        spread = max(rewards) - min(rewards)
+        for tree, credit in zip(trees, adv.per_tree):
+            assert abs(credit["0"]) <= spread + 1e-9
+            node_spread = (max(tree.node_rewards.values(), default=0)
+                           - min(tree.node_rewards.values(), default=0))
+            cf_spread = max((abs(tree.reward - v) for v in tree.info["counterfactual"].values()),
+                            default=0)
+            bound = {"broadcast": spread, "ratio": config.ratio_clip * spread,
+                     "sibling": spread + node_spread, "counterfactual": cf_spread}[strategy]
+            assert all(abs(credit[c.id]) <= bound + 1e-9 for c in tree.clones())
 
 
 # ------------------------------------------------------------------ config
