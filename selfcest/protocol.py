@@ -127,6 +127,11 @@ class Protocol(ABC):
     def spawn_stop_id(self) -> int:
         """The token that closes a spawn call; the backend stops on it."""
 
+    @property
+    @abstractmethod
+    def spawn_open_id(self) -> int:
+        """The token that opens a spawn call."""
+
     @abstractmethod
     def parse_text(self, text: str) -> list[SpawnRequest] | ProtocolError:
         """Spawn requests from a turn that ended with the spawn-close token."""
@@ -167,9 +172,17 @@ class Protocol(ABC):
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def answer_of(self, token_ids: Sequence[int]) -> str:
-        """The final answer in a node's last turn (special tokens removed first)."""
-        return extract_answer(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+    def final_text(self, token_ids: Sequence[int]) -> str:
+        """A node's final turn as plain text: decoded without any special token of the
+        tokenizer (every EOS style: ``<|im_end|>``, ``</s>``, ``<eos>``, ...).
+
+        A turn that opens or closes a spawn call is a call, not an answer, and gives ""
+        (a node cut off by its budget halfway through ``<spawn>compute 1+2<sep>the`` did not
+        answer "the"; nor did one whose results no longer fit its context).
+        """
+        if self.spawn_open_id in token_ids or self.spawn_stop_id in token_ids:
+            return ""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def _template(self, messages: list[dict], **kwargs) -> list[int]:
         text = self.tokenizer.apply_chat_template(
@@ -213,6 +226,10 @@ class TokenProtocol(Protocol):
     @property
     def spawn_stop_id(self) -> int:
         return self.ids[self.END]
+
+    @property
+    def spawn_open_id(self) -> int:
+        return self.ids[self.SPAWN]
 
     def parse_text(self, text: str) -> list[SpawnRequest] | ProtocolError:
         end = text.rfind(self.END)
@@ -318,18 +335,25 @@ class ToolCallProtocol(Protocol):
 
     def __init__(self, tokenizer, root_system: str | None = None, clone_system: str | None = None):
         super().__init__(tokenizer, root_system, clone_system or self.DEFAULT_CLONE_SYSTEM)
-        self.call_id = tokenizer.convert_tokens_to_ids(self.CALL_END)
-        if not isinstance(self.call_id, int) or self.call_id == tokenizer.unk_token_id:
-            raise ValueError(
-                f"tokenizer lacks {self.CALL_END!r} as one token: load the model with "
-                "ClonePolicy.from_pretrained(..., protocol='tool'), which adds it"
-            )
+        self.open_id, self.call_id = (
+            tokenizer.convert_tokens_to_ids(token) for token in (self.CALL, self.CALL_END)
+        )
+        for token, token_id in ((self.CALL, self.open_id), (self.CALL_END, self.call_id)):
+            if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+                raise ValueError(
+                    f"tokenizer lacks {token!r} as one token: load the model with "
+                    "ClonePolicy.from_pretrained(..., protocol='tool'), which adds it"
+                )
         template = tokenizer.chat_template or ""
         self.native_tools = "tools" in template
 
     @property
     def spawn_stop_id(self) -> int:
         return self.call_id
+
+    @property
+    def spawn_open_id(self) -> int:
+        return self.open_id
 
     # --------------------------------------------------------------- prompts
 

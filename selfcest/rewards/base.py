@@ -13,7 +13,6 @@ import importlib
 import importlib.util
 import inspect
 import math
-import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -50,15 +49,12 @@ class TaskScore:
 # (root final-turn text, task) -> TaskScore
 TaskScorer = Callable[[str, Task], TaskScore]
 
-# Chat-template markup such as <|im_end|> or <|eot_id|>: sampled text is decoded with special
-# tokens kept, and an end-of-turn token glued to "Answer: 12" must not spoil the answer.
-_TEMPLATE_TOKEN = re.compile(r"<\|[^<>|\s]{1,64}\|>")
-
-
 def final_turn_text(tree: CloneTree) -> str:
-    """The root's final turn (sampled text after its last injected segment), chat-template
-    markup removed. Rewards read the answer from here only, never from earlier turns."""
-    return _TEMPLATE_TOKEN.sub("", tree.root.last_turn_text())
+    """The root's final turn as plain text (`Node.final_text`: the sampled tokens after its
+    last injected segment, decoded by the engine without any special token of the
+    tokenizer; empty when the root ended inside a spawn call). Rewards read the answer from
+    here only, never from earlier turns."""
+    return tree.root.final_text
 
 
 # ---------------------------------------------------------------------------------- loading

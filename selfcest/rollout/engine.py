@@ -20,8 +20,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from selfcest.budget import Allowance, Budget, clone_allowance, clone_pools
-from selfcest.protocol import CloneResult, Protocol, ProtocolError, SpawnRequest, resolve_keys
-from selfcest.rollout.backends.base import Backend, SamplingParams
+from selfcest.protocol import (
+    CloneResult,
+    Protocol,
+    ProtocolError,
+    SpawnRequest,
+    extract_answer,
+    resolve_keys,
+)
+from selfcest.rollout.backends.base import Backend, Completion, SamplingParams
 from selfcest.tasks.base import Task
 from selfcest.tree import CloneTree, Node, Segment, Spawn
 
@@ -104,7 +111,8 @@ class RolloutEngine:
                 n: node for n, node in copy.nodes.items()
                 if n == CloneTree.ROOT_ID or any(n == c or n.startswith(c + ".") for c in kept)
             }
-            root.finish_reason, root.answer, root.error = "running", "", None
+            root.finish_reason, root.error = "running", None
+            root.final_text = root.answer = ""
             allowance = Allowance(cap=self.budget.node_generation, pool=self.budget.tree_generation,
                                   own=root.generated_tokens,
                                   descendants=sum(n.generated_tokens for n in copy.clones()))
@@ -162,8 +170,8 @@ class RolloutEngine:
                     break
                 completion = await self._generate(run, node, calls, max_tokens)
                 calls += 1
-                self._check_version(run.tree, node, completion.weight_version)
                 allowance.spend(len(completion.token_ids))
+                self._check_version(run.tree, node, completion)
                 node.segments.append(
                     Segment("sampled", list(completion.token_ids), list(completion.logprobs),
                             self.protocol.decode(completion.token_ids))
@@ -181,7 +189,8 @@ class RolloutEngine:
         except Exception as error:  # a failing backend call fails this node, not the batch
             node.finish_reason = "error"
             node.error = f"{type(error).__name__}: {error}"[:300]
-        node.answer = self._final_answer(node)
+        node.final_text = self.protocol.final_text(self._final_turn(node))
+        node.answer = extract_answer(node.final_text)
 
     async def _generate(self, run: _TreeRun, node: Node, call: int, max_tokens: int):
         request = self.backend.generate(
@@ -202,20 +211,26 @@ class RolloutEngine:
         return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
     @staticmethod
-    def _check_version(tree: CloneTree, node: Node, version: int) -> None:
+    def _check_version(tree: CloneTree, node: Node, completion: Completion) -> None:
+        """A tree never mixes weight versions: a completion sampled under other weights fails
+        its node, and its tokens are counted as the tree's discarded tokens."""
+        version = completion.weight_version
         if tree.weight_version is None:
             tree.weight_version = version
         if version != tree.weight_version:
+            tree.discarded_tokens += len(completion.token_ids)
             raise RuntimeError(
                 f"weights changed during the rollout (version {tree.weight_version} -> {version})"
             )
         node.weight_version = version
 
-    def _final_answer(self, node: Node) -> str:
+    @staticmethod
+    def _final_turn(node: Node) -> list[int]:
+        """The node's sampled tokens after its last injected segment."""
         last: list[int] = []
         for segment in node.segments:
             last = last + segment.token_ids if segment.trainable else []
-        return self.protocol.answer_of(last)
+        return last
 
     # ------------------------------------------------------------------ spawning
 

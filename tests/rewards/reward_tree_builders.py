@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+from selfcest.protocol import extract_answer
 from selfcest.tree import CloneTree, Node, Segment, Spawn
 
 
@@ -15,9 +18,14 @@ def returned(text: str) -> Segment:
     return Segment("return", [0, 1], None, text)
 
 
+# What the engine's decode without special tokens removes from these hand-written texts.
+_SPECIAL = re.compile(r"<\|im_end\|>|<spawn>.*|</?return>|<sep>", re.DOTALL)
+
+
 def node(node_id: str, segments: list[Segment], spawns: list[Spawn] = ()) -> Node:
+    """A finished node; its final text is what `RolloutEngine` would decode from its last turn."""
     parent = None if node_id == "0" else node_id.rsplit(".", 1)[0]
-    return Node(
+    result = Node(
         id=node_id,
         parent_id=parent,
         depth=node_id.count("."),
@@ -27,6 +35,10 @@ def node(node_id: str, segments: list[Segment], spawns: list[Spawn] = ()) -> Nod
         spawns=list(spawns),
         finish_reason="eos",
     )
+    final = result.last_turn_text()
+    result.final_text = "" if "<spawn>" in final else _SPECIAL.sub("", final)
+    result.answer = extract_answer(result.final_text)
+    return result
 
 
 def tree_of(*nodes: Node, task_id: str = "t") -> CloneTree:

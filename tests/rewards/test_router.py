@@ -13,7 +13,7 @@ def tree_answering(text: str) -> CloneTree:
     tree = CloneTree("t", 0, 0)
     node = tree.add(Node("0", None, 0, None, prompt_ids=[1]))
     node.segments.append(Segment("sampled", [1, 2], [0.0, 0.0], f"Answer: {text}"))
-    node.answer = text
+    node.final_text, node.answer = f"Answer: {text}", text
     return tree
 
 

@@ -209,6 +209,21 @@ def test_weights_changing_mid_rollout_fail_the_node(tiny_policy):
     (tree,) = RolloutEngine(backend, tiny_policy.protocol).rollout([Task("t", "ROOT", "")])
     assert tree.nodes["0.0"].finish_reason == "error"
     assert "weights changed during the rollout" in tree.nodes["0.0"].error
+    # Every token the backend generated is in a node's cost or in the tree's discarded count.
+    decoded = sum(len(call.completion.token_ids) for call in backend.calls)
+    costs = tree.costs()
+    assert costs.discarded_tokens > 0
+    assert costs.generated_tokens + costs.discarded_tokens == decoded
+
+
+def test_a_node_cut_off_inside_a_spawn_call_has_no_answer(tiny_policy):
+    """The budget ends the root halfway through its call: that text is no answer, even when
+    the task's answer appears in it."""
+    plans = {"ROOT": ["<spawn>compute 1+2<sep>compute 3 then stop"]}
+    (tree,), _ = run(tiny_policy, plans, budget=Budget(node_generation=20, tree_generation=64))
+    assert tree.root.finish_reason == "budget"
+    assert tree.root.last_turn_text().endswith("compute 3")
+    assert tree.root.final_text == "" and tree.answer == ""
 
 
 @pytest.mark.parametrize("timeout", [0.05])
