@@ -81,7 +81,12 @@ def test_lora_policy_trains_only_the_adapter_and_saves_merged(demo_task, tmp_pat
     lora = ClonePolicy.from_pretrained(tmp_path / "base", lora={"r": 4, "alpha": 8})
     trainable = [n for n, p in lora.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n or "trainable_tokens" in n for n in trainable)
-    assert lora.solve(demo_task, sampling=GREEDY, budget=Budget(node_generation=8, tree_generation=8))
+    tree = lora.solve(demo_task, sampling=GREEDY, budget=Budget(node_generation=8, tree_generation=8))
+    # It decoded with the adapter: the logprobs it sampled with are the LoRA model's.
+    segment, start = tree.root.segments[0], len(tree.root.prompt_ids) - 1
+    assert segment.kind == "sampled" and segment.token_ids
+    forward = lora.token_logprobs([tree.root.prompt_ids + segment.token_ids])[0][start:]
+    assert torch.allclose(forward, torch.tensor(segment.logprobs), atol=1e-5)
     with torch.no_grad():
         for name, param in lora.model.named_parameters():
             if "lora_B" in name or "trainable_tokens_delta" in name:

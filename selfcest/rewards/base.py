@@ -49,6 +49,35 @@ class TaskScore:
 # (root final-turn text, task) -> TaskScore
 TaskScorer = Callable[[str, Task], TaskScore]
 
+# The `TaskScore.info` flags that mean a reward could not judge an answer properly, with the
+# short name the progress bar shows. Scorers set each to 1.0 on the trees it applies to.
+DIAGNOSTICS = {
+    "answer_missing": "missing",  # no answer could be read from the final turn
+    "math/unparsed": "unparsed",  # math-verify could not parse the answer
+    "math/gold_unparsed": "gold_unparsed",  # ... nor the reference
+    "math/timeout": "timeout",  # a comparison ran past its time limit
+    "math/error": "verify_error",  # the verifier failed
+}
+
+
+def reward_components(tree: CloneTree) -> dict[str, float]:
+    """The numeric entries of a scored tree's ``info`` (task score, the scorer's components and
+    diagnostics, cost terms) as metrics named ``reward/<key>``."""
+    return {
+        f"reward/{key}": float(value)
+        for key, value in tree.info.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+
+
+def progress_summary(metrics: Mapping[str, float]) -> dict[str, str]:
+    """What a progress bar shows of one step: reward, accuracy and every diagnostic rate."""
+    summary = {"reward": f"{metrics['reward/mean']:.3f}", "acc": f"{metrics['accuracy']:.2f}"}
+    for key, short in DIAGNOSTICS.items():
+        if f"reward/{key}" in metrics:
+            summary[short] = f"{metrics[f'reward/{key}']:.2f}"
+    return summary
+
 def final_turn_text(tree: CloneTree) -> str:
     """The root's final turn as plain text (`Node.final_text`: the sampled tokens after its
     last injected segment, decoded by the engine without any special token of the

@@ -45,8 +45,9 @@ class GymScorer:
             "answer": task.answer,
             "metadata": task.metadata.get("gym_metadata", {}),
         }
-        score = float(score_answer(extract_answer(text) or None, entry))
-        return TaskScore(score, score >= 1.0)
+        answer = extract_answer(text)
+        score = float(score_answer(answer or None, entry))
+        return TaskScore(score, score >= 1.0, {"answer_missing": float(not answer)})
 
 
 def gym_reward(*, cost: CostConfig | dict | None = None, **options: Any) -> ComposedReward:

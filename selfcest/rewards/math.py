@@ -215,7 +215,8 @@ class MathScorer:
     """Task scorer for math answers: 1.0 if the final answer equals the reference, else 0.
 
     ``info`` reports the verdict as ``math/<verdict>`` = 1.0 (e.g. ``math/timeout``), so
-    averaged over a batch it gives the rate of each outcome.
+    averaged over a batch it gives the rate of each outcome, and ``answer_missing`` (1.0 when
+    the final turn holds no answer).
     """
 
     verifier: MathVerifier | None = field(default=None, compare=False)  # None: shared one
@@ -231,7 +232,8 @@ class MathScorer:
             else:
                 verdict = (self.verifier or shared_verifier()).compare(answer, task.answer)
         correct = verdict == "equal"
-        return TaskScore(float(correct), correct, {f"math/{verdict}": 1.0})
+        info = {f"math/{verdict}": 1.0, "answer_missing": float(verdict == "empty")}
+        return TaskScore(float(correct), correct, info)
 
 
 def math_reward(

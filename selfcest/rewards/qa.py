@@ -11,7 +11,7 @@ string); a prediction is scored against each and the best counts:
   tokens / prediction tokens and recall R = common tokens / reference tokens.
 
 ``correct`` is always exact match; the score is EM or F1 (``metric``), and ``info`` has both
-(``qa/em``, ``qa/f1``).
+(``qa/em``, ``qa/f1``) and ``answer_missing`` (1.0 when no answer could be read).
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ class QAScorer:
         em = max(exact_match(answer, gold) for gold in golds) if answer else 0.0
         f1 = max(token_f1(answer, gold) for gold in golds) if answer else 0.0
         score = em if self.metric == "em" else f1
-        return TaskScore(score, em == 1.0, {"qa/em": em, "qa/f1": f1})
+        info = {"qa/em": em, "qa/f1": f1, "answer_missing": float(not answer)}
+        return TaskScore(score, em == 1.0, info)
 
 
 def qa_reward(

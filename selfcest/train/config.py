@@ -87,7 +87,9 @@ class AlgoConfig:
     # credit.strategy=counterfactual: re-runs per clone with its return replaced by null.
     counterfactual_samples: int = 2
     # Samples drawn under an older weight version: "refuse" (drop them, counted) or
-    # "correct" (keep them with a truncated importance weight, see loss.max_importance_ratio).
+    # "correct" (keep them with the truncated importance weight min(pi_old / pi_behaviour,
+    # loss.max_importance_ratio); pi_old is then recomputed under the current weights, as
+    # recompute_old_logprobs does).
     stale_samples: str = "refuse"
     # Recompute old logprobs with the trainer's model before the update (needed when the
     # backend's numerics differ from training, e.g. vLLM in bf16); HF in fp32 matches exactly.

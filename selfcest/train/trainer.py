@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import gather_object, set_seed
 
 from selfcest.algo.advantages import COUNTERFACTUAL_KEY, compute_advantages
 from selfcest.algo.losses import (
@@ -45,7 +45,7 @@ from selfcest.algo.losses import (
     token_entropy,
 )
 from selfcest.policy import SIZES, ClonePolicy
-from selfcest.rewards.base import RewardFn, load_reward, score_trees
+from selfcest.rewards.base import RewardFn, load_reward, progress_summary, reward_components, score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.tasks import load_tasks
@@ -154,6 +154,9 @@ class GRPOTrainer:
         # are alone and never synchronise gradients.
         self.accelerator = acc = Accelerator(cpu=not torch.cuda.is_available())
         check_supported(acc)
+        # Seeded global RNGs (dropout, any library sampling): a run's result must not depend
+        # on what the process did before it. A resume restores the checkpoint's states.
+        set_seed(trainer.seed, device_specific=True)
         self.sharded = is_sharded(acc)
         # Where rollouts happen: in every process, or on each node's first (node_rollout.py).
         self.placement = None
@@ -192,6 +195,9 @@ class GRPOTrainer:
             self.state = load_checkpoint(resume_from, self._unwrapped, self.optimizer, self.scheduler,
                                          rank=acc.process_index)
             self._publish_weights()
+            # The checkpoint's weights are served under the version they had when it was
+            # written, so a resumed run numbers its versions as the straight run does.
+            self.backend.weight_version = self.state.weight_version
         self.sampler = TaskSampler(self.train_tasks, trainer.seed, self.state.epoch, self.state.cursor)
         self.logger = None
         if acc.is_main_process:
@@ -278,8 +284,7 @@ class GRPOTrainer:
                 history.append(metrics)
                 if progress is not None:
                     progress.update(1)
-                    progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
-                                         acc=f"{metrics['accuracy']:.2f}")
+                    progress.set_postfix(progress_summary(metrics))
                 if trainer.save_every and self.state.step % trainer.save_every == 0:
                     self.save()
             if not trainer.save_every or self.state.step % trainer.save_every:
@@ -355,7 +360,11 @@ class GRPOTrainer:
         micro = make_micro_batches(lengths, trainer.tokens_per_micro_batch)
         trainable = [s.num_trainable for s in samples]
         plan = split_for_optimizer_steps(micro, trainer.optimizer_steps_per_step, trainable)
-        proximal = self._proximal_logprobs(samples, micro) if self.config.algo.recompute_old_logprobs else None
+        algo = self.config.algo
+        # Kept stale samples need old logprobs under the current weights: the truncated
+        # importance weight compares them with the logprobs the tokens were sampled under.
+        recompute = algo.recompute_old_logprobs or algo.stale_samples == "correct"
+        proximal = self._proximal_logprobs(samples, micro) if recompute else None
         # Tree ids made unique across processes for tree_mean aggregation.
         tree_ids = [s.tree_id * acc.num_processes + acc.process_index for s in samples]
         stats, grad_norms, trained_tokens, updates = [], [], 0, 0
@@ -526,11 +535,16 @@ class GRPOTrainer:
                 "tree/spawn_error_rate": costs.spawn_errors / max(1, costs.clones + costs.spawn_errors),
                 "tree/truncated": float(any(n.finish_reason == "budget" for n in tree.nodes.values())),
                 "tree/errors": float(tree.root.finish_reason == "error"),
+                "cost/discarded_tokens": costs.discarded_tokens,
+                **reward_components(tree),
             })
         everything = [row for part in self._gather(rows) for row in part]
         if not everything:
             return {}
-        metrics = {key: statistics.fmean(r[key] for r in everything) for key in everything[0]}
+        # A reward component a tree does not report counts 0 for it (a diagnostic flag that
+        # was not raised), so each key is a rate over all trees.
+        keys = sorted({key for row in everything for key in row})
+        metrics = {key: statistics.fmean(r.get(key, 0.0) for r in everything) for key in keys}
         rewards = [r["reward/mean"] for r in everything]
         metrics["reward/std"] = statistics.pstdev(rewards)
         return metrics

@@ -72,7 +72,7 @@ def test_correctness(verifier, text, answer, correct):
 
 def test_empty_output_is_wrong_without_a_worker_call(verifier):
     result = score(verifier, "", "12")
-    assert (result.score, result.correct, result.info) == (0.0, False, {"math/empty": 1.0})
+    assert (result.score, result.correct, result.info) == (0.0, False, {"math/empty": 1.0, "answer_missing": 1.0})
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,7 @@ def test_astronomical_answers_are_screened_fast(verifier, text):
     start = time.monotonic()
     result = score(verifier, text, "12")
     assert time.monotonic() - start < 1.0  # a hang would never return
-    assert result.info == {"math/too_large": 1.0} and not result.correct
+    assert result.info == {"math/too_large": 1.0, "answer_missing": 0.0} and not result.correct
 
 
 def test_a_slow_comparison_is_cut_off_and_the_worker_restarts(verifier):
@@ -93,14 +93,14 @@ def test_a_slow_comparison_is_cut_off_and_the_worker_restarts(verifier):
     # Passes the magnitude screen (each term is small) but sympy would sum 10^6 powers.
     result = score(verifier, "\\boxed{\\sum_{k=1}^{10^{6}} k^k}", "\\frac{1}{2}")
     assert time.monotonic() - start < verifier.timeout_s + 2.0
-    assert result.info == {"math/timeout": 1.0} and not result.correct
+    assert result.info == {"math/timeout": 1.0, "answer_missing": 0.0} and not result.correct
     assert verifier.restarts == restarts + 1
     assert score(verifier, "Answer: 0.5", "\\frac{1}{2}").correct  # a fresh worker answers
 
 
 def test_overlong_answers_are_not_parsed(verifier):
     result = score(verifier, "Answer: " + "1+" * 600 + "1", "\\frac{1}{2}")
-    assert result.info == {"math/too_long": 1.0}
+    assert result.info == {"math/too_long": 1.0, "answer_missing": 0.0}
 
 
 def test_works_off_the_main_thread(verifier):

@@ -45,7 +45,7 @@ def test_aliases_count():
 def test_f1_metric_scores_partially_but_correct_stays_exact():
     result = QAScorer("f1")("Thinking...\nAnswer: New York City.", task("New York"))
     assert result.score == pytest.approx(0.8) and not result.correct
-    assert result.info == {"qa/em": 0.0, "qa/f1": pytest.approx(0.8)}
+    assert result.info == {"qa/em": 0.0, "qa/f1": pytest.approx(0.8), "answer_missing": 0.0}
     with pytest.raises(ValueError):
         QAScorer("bleu")
 
@@ -53,6 +53,7 @@ def test_f1_metric_scores_partially_but_correct_stays_exact():
 def test_empty_output_scores_zero():
     result = QAScorer("f1")("", task("Paris"))
     assert (result.score, result.correct) == (0.0, False)
+    assert result.info["answer_missing"] == 1.0
 
 
 def test_qa_reward_reads_the_final_answer_line():

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from selfcest.tasks.base import Task
 from selfcest.tasks.gym import gym_tasks
 
 
@@ -22,9 +23,11 @@ def test_gym_tasks_follow_the_dataset():
 
 
 def test_gym_metadata_is_json_safe():
-    # gsm_symbolic keeps Fraction objects in its metadata.
-    for task in gym_tasks("gsm_symbolic", size=5, seed=0):
-        json.dumps(task.to_dict())
+    # gsm_symbolic keeps Fraction objects in its metadata (entry 7 of seed 0 has one).
+    tasks = gym_tasks("gsm_symbolic", size=8, seed=0)
+    assert tasks[7].metadata["gym_metadata"]["variables"]["serving_fraction"] == "2"
+    for task in tasks:
+        assert Task.from_dict(json.loads(json.dumps(task.to_dict()))) == task
 
 
 def test_unknown_dataset_or_config():

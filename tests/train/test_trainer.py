@@ -3,19 +3,24 @@ clones, resume is exact."""
 
 from __future__ import annotations
 
+import random
+import statistics
 import textwrap
 
+import pytest
 import torch
 
 from selfcest.budget import Budget
 from selfcest.policy import ClonePolicy, LoraSettings
 from selfcest.protocol import SpawnRequest
-from selfcest.rewards.base import RewardResult
+from selfcest.rewards.base import RewardResult, progress_summary
 from selfcest.rollout.backends.base import SamplingParams
+from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.tasks.base import Task
 from selfcest.train.batching import samples_from_trees
 from selfcest.train.config import TrainConfig
-from selfcest.train.trainer import GRPOTrainer
+from selfcest.train.logging import read_metrics
+from selfcest.train.trainer import GRPOTrainer, build_policy
 
 from helpers import DEMO_CONTEXT, overfit
 
@@ -65,6 +70,41 @@ def test_two_steps_change_every_trainable_parameter(tmp_path):
     assert len(history) == 2 and all(h["train/optimizer_steps"] == 1 for h in history)
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "model.safetensors").exists()
+
+
+def test_a_few_steps_raise_the_reward_they_are_trained_on(tmp_path):
+    """The direction check: GRPO on the digit-share reward raises the digit share of fresh
+    samples (a flipped advantage sign lowers it)."""
+    trainer = GRPOTrainer(small_config(tmp_path, steps=6, lr=1e-2, trees_per_prompt=8))
+    tasks = trainer.train_tasks[:8]
+
+    def digit_share() -> float:
+        trees = trainer.engine(seed=99).rollout(tasks, 8)
+        return statistics.fmean(trainer.reward_fn(t, tasks[t.task_index]).score for t in trees)
+
+    before = digit_share()
+    trainer.train()
+    trainer.close()
+    after = digit_share()
+    assert after > 2 * before, (before, after)
+
+
+def test_same_seed_same_run_whatever_ran_before(tmp_path):
+    """Two runs of one config are bitwise identical, even when the process drew different
+    random numbers before them (dropout draws from the global RNG, which the trainer seeds)."""
+
+    def final_weights(folder, draws):
+        config = small_config(tmp_path / folder, steps=2, lr=1e-2)
+        policy = dropout_policy(config)
+        torch.rand(draws)
+        random.random()
+        trainer = GRPOTrainer(config, policy=policy)
+        trainer.train()
+        trainer.close()
+        return params_of(trainer.policy.model)
+
+    first, second = final_weights("a", 1), final_weights("b", 1000)
+    assert all(torch.equal(first[n], second[n]) for n in first)
 
 
 def test_injected_and_prompt_tokens_get_exactly_zero_gradient(spawning_policy, demo_task, tmp_path):
@@ -117,7 +157,9 @@ def test_credit_reaches_clones(tmp_path):
 
     probe = policy.engine(Budget(max_depth=1), SamplingParams(), seed=123)
     before = sevens(probe.rollout([task], samples_per_task=64))
-    config = small_config(tmp_path, steps=12, lr=3e-3, trees_per_prompt=8, prompts_per_step=2)
+    # lr 3e-3 over 12 steps collapsed the root's spawn calls for 2 of 3 init seeds (then no
+    # tree has clones and every group ties); 1e-3 over 20 steps lifts 0.22-0.30 to 0.89-0.95.
+    config = small_config(tmp_path, steps=20, lr=1e-3, trees_per_prompt=8, prompts_per_step=2)
     config.rollout.budget = Budget(max_depth=1)
     trainer = GRPOTrainer(config, policy=policy, train_tasks=[task], reward_fn=clone_reward)
     trainer.train()
@@ -127,25 +169,67 @@ def test_credit_reaches_clones(tmp_path):
     assert after > before + 0.3, (before, after)
 
 
-def test_resume_is_bitwise_exact(tmp_path):
-    straight = GRPOTrainer(small_config(tmp_path / "a", steps=4, save_every=2))
-    straight.train()
-    straight.close()
+def dropout_policy(config: TrainConfig) -> ClonePolicy:
+    """The config's policy with attention dropout: training then draws from torch's global
+    RNG, so a resume that loses the RNG state trains other weights."""
+    policy = build_policy(config)
+    for module in policy.model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.3
+    return policy
 
-    first = GRPOTrainer(small_config(tmp_path / "b", steps=2, save_every=2))
-    first.train()
+
+def next_step_tokens(trainer: GRPOTrainer) -> list[list[int]]:
+    """The tokens the step after the last one would sample (its tasks, its seed)."""
+    tasks = trainer.sampler.take(trainer.config.trainer.prompts_per_step)
+    trees = trainer.engine(trainer._step_seed(trainer.state.step)).rollout(tasks, 2)
+    return [node.context_ids() for tree in trees for node in tree.nodes.values()]
+
+
+def test_resume_is_bitwise_exact(tmp_path):
+    """A 4-step run under a warmed-up cosine schedule and dropout, killed after its step-2
+    checkpoint and resumed, equals the straight run: every parameter, all optimizer and
+    scheduler state, the LR of every step, the weight version and what the next step
+    samples."""
+
+    def trainer_for(folder, resume=False):
+        config = small_config(tmp_path / folder, steps=4, save_every=2, resume=resume,
+                              schedule="cosine", warmup_steps=1, lr=1e-2)
+        # Lists printed in the prompt: every task reads differently, so the task order
+        # (the sampler's resumed position) shows in what is sampled.
+        config.task.params["train"] = {"inline": True}
+        return GRPOTrainer(config, policy=dropout_policy(config))
+
+    straight = trainer_for("a")
+    straight_history = straight.train()
+    straight.close()
+    first = trainer_for("b")
+    for _ in range(2):  # what train() runs before the crash: two steps, the checkpoint
+        first.step()
+    first.save()
     first.close()
-    resumed = GRPOTrainer(small_config(tmp_path / "b", steps=4, save_every=2, resume=True))
-    assert resumed.state.step == 2 and resumed.resumed_from.name == "step_000002"
-    resumed.train()
+    resumed = trainer_for("b", resume=True)
+    resumed_history = resumed.train()
     resumed.close()
+    assert resumed.resumed_from.name == "step_000002" and len(resumed_history) == 2
 
     a, b = params_of(straight.policy.model), params_of(resumed.policy.model)
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert not all(torch.equal(a[n], params_of(first.policy.model)[n]) for n in a)
-    sa = straight.optimizer.state_dict()["state"]
-    sb = resumed.optimizer.state_dict()["state"]
-    assert all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
+    sa, sb = straight.optimizer.state_dict(), resumed.optimizer.state_dict()
+    def plain(groups):  # a loaded state dict holds betas as a list, the live one as a tuple
+        return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
+
+    assert plain(sa["param_groups"]) == plain(sb["param_groups"])
+    assert sa["state"].keys() == sb["state"].keys()
+    for key, state in sa["state"].items():
+        assert state.keys() == sb["state"][key].keys()
+        assert all(torch.equal(value, sb["state"][key][name]) for name, value in state.items())
+    assert straight.scheduler.state_dict() == resumed.scheduler.state_dict()
+    lrs = [h["lr"] for h in straight_history]
+    assert len(set(lrs)) == 4 and [h["lr"] for h in resumed_history] == lrs[2:]
+    assert resumed.backend.weight_version == straight.backend.weight_version == 4
+    assert next_step_tokens(resumed) == next_step_tokens(straight)
 
 
 def test_stale_samples_are_refused(tmp_path, spawning_policy, demo_task):
@@ -160,6 +244,44 @@ def test_stale_samples_are_refused(tmp_path, spawning_policy, demo_task):
     assert metrics["samples/stale_refused"] == sum(len(t.nodes) for t in trees)
     assert metrics["train/optimizer_steps"] == 0
     assert all(torch.equal(before[n], p) for n, p in policy.model.named_parameters())
+
+
+def test_kept_stale_samples_get_the_truncated_importance_weight(tmp_path, spawning_policy, demo_task):
+    """stale_samples=correct keeps samples drawn under older weights and weighs them by
+    min(pi_old / pi_behaviour, C), with pi_old recomputed under the current weights."""
+    policy = ClonePolicy(spawning_policy.model, spawning_policy.tokenizer, spawning_policy.protocol)
+    config = small_config(tmp_path)
+    config.algo.stale_samples = "correct"
+    trainer = GRPOTrainer(config, policy=policy, train_tasks=[demo_task])
+    trees = policy.engine(Budget(max_depth=1), SamplingParams()).rollout([demo_task], samples_per_task=4)
+    for i, tree in enumerate(trees):
+        tree.reward, tree.correct, tree.info["malformed_nodes"] = float(i), False, []
+        for node in tree.nodes.values():  # as if sampled by other weights: logprobs differ
+            for segment in node.segments:
+                if segment.trainable:
+                    segment.logprobs = [lp - 1.0 for lp in segment.logprobs]
+    trainer.backend.sync_weights(policy.model)  # the trees are now one version behind
+    metrics = trainer.train_on_trees(trees)
+    assert metrics["samples/stale_refused"] == 0 and metrics["train/optimizer_steps"] == 1
+    # exp(old - behaviour) = e^1 > C = 2: every weight is truncated to C
+    assert metrics["loss/importance_truncated_frac"] == 1.0
+    assert metrics["loss/importance_weight_mean"] == pytest.approx(2.0)
+
+
+def test_reward_diagnostics_reach_the_metrics(tmp_path):
+    """A run whose answers are all missing logs an answer-missing rate of 1.0."""
+    config = small_config(tmp_path, steps=1)
+    config.task.reward = "selfcest.rewards.arithmetic:arithmetic_reward"
+    config.task.reward_params = {"cost": None}
+    policy = build_policy(config)
+    backend = ScriptedBackend(policy.tokenizer, lambda prompt: "I would rather not say.")
+    trainer = GRPOTrainer(config, policy=policy, backend=backend)
+    (metrics,) = trainer.train()
+    trainer.close()
+    (logged,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert logged["reward/answer_missing"] == 1.0 == metrics["reward/answer_missing"]
+    assert logged["reward/task_score"] == 0.0
+    assert progress_summary(metrics)["missing"] == "1.00"
 
 
 def test_counterfactual_credit_measures_each_clone(tmp_path, spawning_policy, demo_task):

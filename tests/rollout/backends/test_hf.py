@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
 import torch
@@ -105,12 +106,33 @@ def test_seeded_rollouts_are_reproducible(policy_name, demo_task, request):
         assert sample(4) != first
 
 
-def test_weight_version_and_sync(tiny_policy):
-    backend = HFBackend(tiny_policy.model, tiny_policy.tokenizer.pad_token_id)
-    backend.sync_weights(tiny_policy.model)
-    (completion,) = generate_all(backend, [(prompts(tiny_policy.tokenizer, 1)[0], dict(
-        max_tokens=2, stop_token_ids=[], sampling=SamplingParams(), seed=0))])
-    assert completion.weight_version == 1
+def test_sync_serves_the_new_weights_under_a_new_version(tiny_policy):
+    """After sync_weights(other), the backend samples from the other model's distribution:
+    its logprobs are the other model's, not the old ones."""
+    served = copy.deepcopy(tiny_policy.model)
+    trained = copy.deepcopy(tiny_policy.model)
+    with torch.no_grad():
+        for param in trained.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    backend = HFBackend(served, tiny_policy.tokenizer.pad_token_id)
+    prompt = prompts(tiny_policy.tokenizer, 1)[0]
+    request = dict(max_tokens=6, stop_token_ids=[], sampling=SamplingParams(), seed=0)
+
+    def sample_and_score(model):
+        (completion,) = generate_all(backend, [(prompt, request)])
+        ids = torch.tensor([prompt + completion.token_ids])
+        logp = sequence_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt) - 1:]
+        return completion, torch.tensor(completion.logprobs), logp
+
+    before, sampled, old_logp = sample_and_score(tiny_policy.model)
+    assert before.weight_version == 0 and torch.allclose(sampled, old_logp, atol=1e-5)
+    backend.sync_weights(trained)
+    after, sampled, new_logp = sample_and_score(trained)
+    assert after.weight_version == 1
+    assert torch.allclose(sampled, new_logp, atol=1e-5)
+    ids = torch.tensor([prompt + after.token_ids])
+    stale = sequence_logprobs(tiny_policy.model, ids, torch.ones_like(ids))[0, len(prompt) - 1:]
+    assert (sampled - stale).abs().max() > 1e-2
 
 
 def test_bad_requests_fail_clearly(tiny_policy):
