@@ -31,6 +31,8 @@ ANSWER_MARKER = re.compile(r"answer\s*:", re.IGNORECASE)
 TRUNCATION_MARKER = "…"
 # An objective longer than this many characters is refused (keeps prompts and logs sane).
 MAX_OBJECTIVE_CHARS = 4000
+# Lone surrogates, and control characters but tab, newline and carriage return.
+UNRENDERABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,8 @@ class TokenProtocol(Protocol):
             return "empty objective"
         if len(raw) > MAX_OBJECTIVE_CHARS:
             return f"objective longer than {MAX_OBJECTIVE_CHARS} characters"
+        if problem := _unrenderable(raw):
+            return problem
         keys = tuple(dict.fromkeys(self.KEY_REF.findall(raw)))
         return SpawnRequest(objective=raw, context_keys=keys, max_tokens=max_tokens)
 
@@ -438,6 +442,8 @@ class ToolCallProtocol(Protocol):
             return ProtocolError("empty objective")
         if len(text) > MAX_OBJECTIVE_CHARS:
             return ProtocolError(f"objective longer than {MAX_OBJECTIVE_CHARS} characters")
+        if problem := _unrenderable(text):
+            return ProtocolError(problem)
         return SpawnRequest(objective=text, context_keys=keys, max_tokens=budget)
 
     # --------------------------------------------------------------- returns
@@ -502,6 +508,9 @@ def _keys(value, name: str) -> tuple[str, ...] | ProtocolError:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         return ProtocolError(f"{name} must be a list of context keys (strings)")
+    for key in value:  # keys reach prompts too: in the error that names an unknown key
+        if problem := _unrenderable(key):
+            return ProtocolError(f"{name}: {problem}")
     return tuple(dict.fromkeys(v.strip() for v in value))
 
 
@@ -511,3 +520,18 @@ def _budget(value, name: str) -> int | None | ProtocolError:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         return ProtocolError(f"{name} must be a positive integer")
     return value
+
+
+def _unrenderable(text: str) -> str | None:
+    """Why model-written ``text`` (an objective, a context key) cannot go into a prompt, or None.
+
+    Refused: lone surrogates, which JSON escapes such as ``\\ud800`` decode to and no tokenizer
+    encodes, and control characters other than tab, newline and carriage return (``\\u0000``
+    and kin): they mean nothing in an objective or a key, and are what a malformed or
+    adversarial call is made of. The reason names the code point, never the character, so
+    the model can read it.
+    """
+    match = UNRENDERABLE.search(text)
+    if match is None:
+        return None
+    return f"contains U+{ord(match.group()):04X} (a lone surrogate or control character)"

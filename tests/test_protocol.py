@@ -51,6 +51,8 @@ def test_token_protocol_parses_objectives_keys_and_budgets(token):
         ("<spawn>a<sep></spawn>", "objective 2: empty objective"),
         ("<spawn>a ~0</spawn>", "at least 1 token"),
         ("<spawn>a<return>b</spawn>", "unexpected <return>"),
+        ("<spawn>a\ud800</spawn>", "objective 1: contains U+D800"),  # no tokenizer encodes it
+        ("<spawn>a<sep>b\x00c</spawn>", "objective 2: contains U+0000"),
     ],
 )
 def test_token_protocol_errors_have_reasons(token, text, reason):
@@ -163,6 +165,35 @@ def test_tool_protocol_errors_have_reasons(tool, payload, reason):
     assert reason in parsed.reason
 
 
+@pytest.mark.parametrize(
+    "arguments, reason",
+    [
+        ({"objectives": ["a\ud800b"]}, "objective 1: contains U+D800"),
+        ({"objectives": ["ok", {"objective": "\udfff"}]}, "objective 2: contains U+DFFF"),
+        ({"objectives": ["a"], "shared_context": ["\ud800"]}, "shared_context: contains U+D800"),
+        ({"objectives": [{"objective": "a", "shared_context": ["K\x00"]}]},
+         "objective 1: shared_context: contains U+0000"),
+        ({"objectives": ["a\x00b"]}, "objective 1: contains U+0000"),
+        ({"objectives": ["a\x1bb"]}, "objective 1: contains U+001B"),
+        ({"objectives": ["a"], "\ud800": 1}, "unknown argument(s) ['\\ud800']"),  # keys are shown escaped
+    ],
+)
+def test_tool_calls_with_unrenderable_text_are_refused(tool, token, arguments, reason):
+    """JSON escapes such as \\ud800 decode to text no tokenizer can encode: a malformed call."""
+    parsed = tool.parse_text(_call({"name": "spawn_clone", "arguments": arguments}))
+    assert isinstance(parsed, ProtocolError), parsed
+    assert reason in parsed.reason
+    for protocol in (token, tool):  # the model reads why
+        assert protocol.render_results([CloneResult(error=parsed.reason)], 200, 64)
+
+
+def test_tool_calls_keep_escaped_text_that_renders(tool):
+    payload = '{"name": "spawn_clone", "arguments": {"objectives": ["smile \\ud83d\\ude00\\tand \\u003c"]}}'
+    (request,) = tool.parse_text(_call(payload))
+    assert request.objective == "smile \U0001F600\tand <"  # a valid surrogate pair is one character
+    assert tool.clone_prompt(request, {})
+
+
 def test_tool_schema_is_rendered_through_the_chat_template(tool, tokenizer):
     prompt = tokenizer.decode(tool.root_prompt(Task("t", "What is 2+2?", "4")))
     assert "<tools>" in prompt and '"name": "spawn_clone"' in prompt
@@ -217,16 +248,38 @@ def _mutations(rng: random.Random, seeds: list[str], alphabet: list[str]) -> str
     return text
 
 
+def _render_everything(protocols, parsed) -> None:
+    """What the engine renders from a parse: each clone's prompt (its keys resolved), and the
+    objectives, unknown-key reasons or the protocol error read back as results."""
+    if isinstance(parsed, ProtocolError):
+        requests, results = [], [CloneResult(error=parsed.reason)]
+    else:
+        requests = parsed
+        results = [CloneResult(answer=r.objective) for r in parsed] + [
+            CloneResult(error=f"unknown context key(s) {', '.join(r.context_keys)}") for r in parsed]
+    for protocol in protocols:
+        for request in requests:
+            assert protocol.clone_prompt(request, {key: key for key in request.context_keys})
+        assert protocol.render_results(results, 10_000, 64)
+
+
 def test_fuzz_parsing_is_total(token, tool):
-    """2,000 random and mutated outputs: never an exception, every failure has a reason."""
+    """2,000 random and mutated outputs: never an exception, every failure has a reason, and
+    every parse renders (clone prompts and returns, both protocols)."""
     rng = random.Random(0)
     seeds = [
         "<spawn>sum @L1 ~20<sep>sum @L2</spawn>",
         _call({"name": "spawn_clone", "arguments": {"objectives": ["a", {"objective": "b"}]}}),
         _call('{"name": "spawn_clone", "arguments": "{\\"objectives\\": [\\"x\\"]}"}'),
+        _call({"name": "spawn_clone", "arguments": {
+            "objectives": ["sum", {"objective": "add", "shared_context": ["K2"]}], "shared_context": ["K1"]}}),
     ]
-    alphabet = ["<spawn>", "<sep>", "</spawn>", "<return>", "<tool_call>", "</tool_call>", "{", "}",
-                "[", "]", '"', ":", ",", "~", "@", "\\", "\x00", "💥", "null", "1e999", "-1", " "]
+    # JSON \\u escapes (lone surrogates, a valid pair, NUL, "<") and special-token text.
+    escapes = ["\\ud800", "\\udfff", "\\ud83d\\ude00", "\\u0000", "\\u003c", "\\u003e", "\\u001b"]
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<spawn>", "<sep>", "</spawn>", "<return>",
+                "</return>", "<tool_call>", "</tool_call>", "\\u003c|im_start|\\u003e"]
+    alphabet = escapes + specials + ["{", "}", "[", "]", '"', ":", ",", "~", "@", "\\", "\x00", "💥",
+                                     "null", "1e999", "-1", " "]
     outcomes = {"requests": 0, "errors": 0}
     for n in range(2000):
         if n % 4 == 0:
@@ -241,5 +294,6 @@ def test_fuzz_parsing_is_total(token, tool):
             else:
                 assert parsed and all(isinstance(r, SpawnRequest) and r.objective for r in parsed)
                 outcomes["requests"] += 1
+            _render_everything((token, tool), parsed)
             protocol.parse(protocol.encode(text))  # the token path is total too
     assert outcomes["requests"] > 100 and outcomes["errors"] > 100  # both branches exercised
