@@ -14,6 +14,10 @@ Two protocols share one interface and produce the same trees:
 
 Parsing model output is total: any text gives spawn requests or a `ProtocolError` with a
 reason the model is shown. Nothing is evaluated, nothing raises, nothing is dropped silently.
+
+Text a model or a clone wrote (objectives, context, answers, error reasons) is injected as
+plain text (`Protocol.encode_text`): spelling ``</return>`` or ``<|im_start|>`` never puts
+that token into another node's context; only the framing carries special tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ ANSWER_MARKER = re.compile(r"answer\s*:", re.IGNORECASE)
 TRUNCATION_MARKER = "…"
 # An objective longer than this many characters is refused (keeps prompts and logs sane).
 MAX_OBJECTIVE_CHARS = 4000
+# Lone surrogates, and control characters but tab, newline and carriage return.
+UNRENDERABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+# Stands in for untrusted text while the chat template renders the framing around it (the
+# text itself never passes through the template, see `Protocol._framing`).
+SLOT = "\x00SELFCEST\x00"
 
 
 @dataclass(frozen=True)
@@ -149,7 +158,8 @@ class Protocol(ABC):
     def _root_messages(self, task: Task) -> list[dict]: ...
 
     @abstractmethod
-    def _clone_messages(self, request: SpawnRequest, context: Mapping[str, str]) -> list[dict]: ...
+    def _clone_user(self, request: SpawnRequest, context: Mapping[str, str]) -> str:
+        """A clone's user message: its objective and the context it asked for."""
 
     # --------------------------------------------------------------- shared
 
@@ -161,7 +171,11 @@ class Protocol(ABC):
         return self._template(self._root_messages(task))
 
     def clone_prompt(self, request: SpawnRequest, context: Mapping[str, str]) -> list[int]:
-        return self._template(self._clone_messages(request, context))
+        """The chat template's framing around the user message, which is plain text: the
+        objective is model-written, and context keys and values may spell special tokens too."""
+        before, after = self._framing(_with_system(self.clone_system, SLOT), slots=1)
+        user = self.encode_text(self._clone_user(request, context))
+        return self.encode(before) + user + self.encode(after)
 
     def parse(self, token_ids: Sequence[int]) -> list[SpawnRequest] | ProtocolError:
         return self.parse_text(self.decode(token_ids))
@@ -170,6 +184,8 @@ class Protocol(ABC):
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
+        """Trusted text (chat framing, task prompts, demonstrations): special-token text becomes
+        the special token."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def final_text(self, token_ids: Sequence[int]) -> str:
@@ -184,15 +200,50 @@ class Protocol(ABC):
             return ""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def encode_text(self, text: str) -> list[int]:
+        """Untrusted text (objectives, context, clone answers, error reasons) as plain text: no
+        added token, special or not, is matched, so ``</return>`` stays characters.
+
+        A Rust tokenizer's ``split_special_tokens`` still matches added tokens that are not
+        special (Qwen2.5's ``</tool_call>``, the tool protocol's stop token), so its pipeline
+        runs without the added vocabulary: normalizer, pre-tokenizer, model. A Python
+        tokenizer that splits special tokens skips every added token already.
+        """
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        words = [(text, None)]
+        if backend.pre_tokenizer is not None:
+            words = backend.pre_tokenizer.pre_tokenize_str(text)
+        return [token.id for word, _ in words for token in backend.model.tokenize(word)]
+
     def _template(self, messages: list[dict], **kwargs) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
+        """Trusted ``messages`` (a root prompt) through the chat template."""
+        return self.encode(self._rendered(messages, **kwargs))
+
+    def _rendered(self, messages: list[dict], **kwargs) -> str:
+        return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **kwargs
         )
-        return self.encode(text)
+
+    def _framing(self, messages: list[dict], slots: int) -> list[str]:
+        """The template's text for ``messages`` cut at each `SLOT`, where untrusted text goes.
+
+        Untrusted text never passes through the template: callers encode these pieces with
+        their special tokens, the text between them as plain text, and join the token ids
+        (seams fall on newlines and special tokens, so ordinary text gets the ids of the
+        whole text). A template that alters message content, and with it the slot, raises.
+        """
+        pieces = self._rendered(messages).split(SLOT)
+        if len(pieces) != slots + 1:
+            raise ValueError("the chat template does not render message content verbatim")
+        return pieces
 
     def _truncated(self, results: Sequence[CloneResult], budget: int, per_clone: int):
-        """Token ids of each result's text, cut to fair shares of ``budget``."""
-        pieces = [self.encode(r.text) for r in results]
+        """Token ids of each result's text (plain text), cut to fair shares of ``budget``."""
+        pieces = [self.encode_text(r.text) for r in results]
         keep = fair_shares([len(p) for p in pieces], budget, per_clone)
         marker = self.encode(TRUNCATION_MARKER)
         out = []
@@ -263,6 +314,8 @@ class TokenProtocol(Protocol):
             return "empty objective"
         if len(raw) > MAX_OBJECTIVE_CHARS:
             return f"objective longer than {MAX_OBJECTIVE_CHARS} characters"
+        if problem := _unrenderable(raw):
+            return problem
         keys = tuple(dict.fromkeys(self.KEY_REF.findall(raw)))
         return SpawnRequest(objective=raw, context_keys=keys, max_tokens=max_tokens)
 
@@ -282,12 +335,12 @@ class TokenProtocol(Protocol):
     def _root_messages(self, task: Task) -> list[dict]:
         return _with_system(self.root_system, task.prompt)
 
-    def _clone_messages(self, request: SpawnRequest, context: Mapping[str, str]) -> list[dict]:
+    def _clone_user(self, request: SpawnRequest, context: Mapping[str, str]) -> str:
         keys, _ = resolve_keys(request.context_keys, context)
         user = request.objective
         if keys:
             user += "\n" + context_block(keys, context)
-        return _with_system(self.clone_system, user)
+        return user
 
 
 class ToolCallProtocol(Protocol):
@@ -363,22 +416,19 @@ class ToolCallProtocol(Protocol):
             system = (system + "\n\n" + self.tool_instructions()).strip()
         return _with_system(system or None, task.prompt)
 
-    def _clone_messages(self, request: SpawnRequest, context: Mapping[str, str]) -> list[dict]:
+    def _clone_user(self, request: SpawnRequest, context: Mapping[str, str]) -> str:
+        # Clones see no tool schema; the engine still answers a call a clone makes (a clone
+        # below max_depth may spawn, above it the call gets an error entry).
         keys, _ = resolve_keys(request.context_keys, context)
         user = request.objective
         if keys:
             user += "\n\nShared context:\n" + context_block(keys, context)
-        return _with_system(self.clone_system, user)
+        return user
 
     def root_prompt(self, task: Task) -> list[int]:
         if self.native_tools:
             return self._template(self._root_messages(task), tools=[self.SCHEMA])
         return self._template(self._root_messages(task))
-
-    def clone_prompt(self, request: SpawnRequest, context: Mapping[str, str]) -> list[int]:
-        # Clones see no tool schema; the engine still answers a call a clone makes (a clone
-        # below max_depth may spawn, above it the call gets an error entry).
-        return self._template(self._clone_messages(request, context))
 
     def tool_instructions(self) -> str:
         """The tool description for chat templates without native tool support."""
@@ -462,49 +512,50 @@ class ToolCallProtocol(Protocol):
             return ProtocolError("empty objective")
         if len(text) > MAX_OBJECTIVE_CHARS:
             return ProtocolError(f"objective longer than {MAX_OBJECTIVE_CHARS} characters")
+        if problem := _unrenderable(text):
+            return ProtocolError(problem)
         return SpawnRequest(objective=text, context_keys=keys, max_tokens=budget)
 
     # --------------------------------------------------------------- returns
 
     def render_results(self, results: Sequence[CloneResult], max_tokens: int, per_clone: int):
+        before, after = self._tool_turn()
         labels = [f"{i + 1}: " for i in range(len(results))]
-        framing = len(self._tool_turn(labels))
+        framing = len(before) + len(self.encode_text("\n".join(labels))) + len(after)
         budget = max_tokens - framing
         if budget < 0:
             return None
-        # Re-rendering decoded pieces can merge tokens differently at the seams; shrink the
-        # budget until the rendered message fits (a few rounds at most).
+        # Re-encoding decoded pieces can merge tokens differently at the seams; shrink the
+        # budget until the message fits (a few rounds at most).
         while budget >= 0:
             pieces = self._truncated(results, budget, per_clone)
             lines = [label + self.tokenizer.decode(p) for label, p in zip(labels, pieces)]
-            ids = self._tool_turn(lines)
+            ids = before + self.encode_text("\n".join(lines)) + after
             if len(ids) <= max_tokens:
                 return ids
             budget -= len(ids) - max_tokens
         return None
 
-    def _tool_turn(self, lines: list[str]) -> list[int]:
-        """Tokens that close the assistant turn, carry the tool message, reopen the assistant.
+    def _tool_turn(self) -> tuple[list[int], list[int]]:
+        """Tokens before and after the answers: they close the assistant turn and open the tool
+        message, then close it and reopen the assistant.
 
-        Rendered by the chat template itself (the text after a marker assistant message), so
-        whatever glue the template puts around tool messages is reproduced exactly. Templates
-        without tool support get the answers as a user message in ``<tool_response>`` tags.
+        Rendered by the chat template itself (the text after a placeholder assistant message),
+        so whatever glue the template puts around tool messages is reproduced exactly, special
+        tokens included. Templates without tool support get the answers as a user message in
+        ``<tool_response>`` tags.
         """
-        mark = "\x00SELFCEST\x00"
-        content = "\n".join(lines)
         if self.native_tools:
-            message = {"role": "tool", "content": content}
+            message = {"role": "tool", "content": SLOT}
         else:
-            message = {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+            message = {"role": "user", "content": f"<tool_response>\n{SLOT}\n</tool_response>"}
         messages = [
             {"role": "user", "content": "q"},
-            {"role": "assistant", "content": mark},
+            {"role": "assistant", "content": SLOT},
             message,
         ]
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return self.encode(text[text.index(mark) + len(mark) :])
+        _, before, after = self._framing(messages, slots=2)
+        return self.encode(before), self.encode(after)
 
 
 def _with_system(system: str | None, user: str) -> list[dict]:
@@ -526,6 +577,9 @@ def _keys(value, name: str) -> tuple[str, ...] | ProtocolError:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         return ProtocolError(f"{name} must be a list of context keys (strings)")
+    for key in value:  # keys reach prompts too: in the error that names an unknown key
+        if problem := _unrenderable(key):
+            return ProtocolError(f"{name}: {problem}")
     return tuple(dict.fromkeys(v.strip() for v in value))
 
 
@@ -535,3 +589,19 @@ def _budget(value, name: str) -> int | None | ProtocolError:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         return ProtocolError(f"{name} must be a positive integer")
     return value
+
+
+def _unrenderable(text: str) -> str | None:
+    """Why model-written ``text`` (an objective, a context key) cannot go into a prompt, or None.
+
+    Refused: lone surrogates, which JSON escapes such as ``\\ud800`` decode to and no tokenizer
+    encodes, and control characters other than tab, newline and carriage return (``\\u0000``
+    and kin): they mean nothing in an objective or a key, and are what a malformed or
+    adversarial call is made of. Special-token text such as ``<|im_start|>`` is allowed: it
+    goes in as plain text (`Protocol.encode_text`). The reason names the code point, never
+    the character, so the model can read it.
+    """
+    match = UNRENDERABLE.search(text)
+    if match is None:
+        return None
+    return f"contains U+{ord(match.group()):04X} (a lone surrogate or control character)"

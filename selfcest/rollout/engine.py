@@ -7,8 +7,8 @@ sees (and batches) every branch that is waiting for tokens at the same moment.
 
 Budgets are enforced before each backend call (see `selfcest.budget`); every way a spawn
 can fail (malformed call, depth, rounds, clone caps, unknown context keys, an overlong clone
-prompt, an exhausted pool, a crashed clone) becomes an error entry the parent reads, never
-an exception that takes the batch down.
+prompt, an exhausted pool, a crashed clone, a prompt or result that does not render) becomes
+an error entry the parent reads, never an exception that takes the batch down.
 """
 
 from __future__ import annotations
@@ -313,18 +313,30 @@ class RolloutEngine:
                 known = ", ".join(sorted(run.task.context)[:20]) or "none"
                 reason = f"unknown context key(s) {', '.join(missing)} (known: {known})"
             else:
-                prompt = self.protocol.clone_prompt(request, run.task.context)
-                reason = None
-                if len(prompt) >= budget.node_context:
-                    reason = (
-                        f"clone prompt of {len(prompt)} tokens exceeds the context budget "
-                        f"of {budget.node_context}"
-                    )
-                    prompt = None
-                else:
+                prompt, reason = self._clone_prompt(request, run.task.context)
+                if prompt is not None:
                     admitted += 1
             verdicts.append((request, prompt, reason))
         return verdicts
+
+    def _clone_prompt(self, request: SpawnRequest, context) -> tuple[list[int] | None, str | None]:
+        """The clone's prompt, or why it gets none: it does not render or does not fit.
+
+        A prompt that fails to render (text the parser let through but the tokenizer or the
+        chat template refuses) is refused like any other objective: a dead parent would be
+        dropped from training and spare the policy the reward of its malformed call. The
+        reason names the exception type only; its message may carry the offending text.
+        """
+        try:
+            prompt = self.protocol.clone_prompt(request, context)
+        except Exception as error:
+            return None, f"the clone prompt could not be rendered ({type(error).__name__})"
+        if len(prompt) >= self.budget.node_context:
+            return None, (
+                f"clone prompt of {len(prompt)} tokens exceeds the context budget "
+                f"of {self.budget.node_context}"
+            )
+        return prompt, None
 
     @staticmethod
     def _result_of(child: Node) -> CloneResult:
@@ -337,11 +349,30 @@ class RolloutEngine:
     def _inject(self, node: Node, results: list[CloneResult], kind: str) -> None:
         # Keep one token of context free so the parent can always continue after the results.
         room = self.budget.node_context - node.context_length - 1
-        ids = self.protocol.render_results(results, room, self.budget.return_tokens)
+        ids = self._render(results, room)
         if ids is None:
             node.finish_reason = "budget"
             return
         node.segments.append(Segment(kind, ids, None, self.protocol.decode(ids)))
+
+    def _render(self, results: list[CloneResult], room: int) -> list[int] | None:
+        """The results' tokens; each result that fails to render alone is replaced by an error
+        entry, so the parent still reads the others (a failure of the framing itself, which no
+        result causes, still fails the node)."""
+        try:
+            return self.protocol.render_results(results, room, self.budget.return_tokens)
+        except Exception:
+            results = [self._renderable(result, room) for result in results]
+        return self.protocol.render_results(results, room, self.budget.return_tokens)
+
+    def _renderable(self, result: CloneResult, room: int) -> CloneResult:
+        """``result``, or an error entry naming the exception type (not its message, which may
+        carry the offending text) when it does not render."""
+        try:
+            self.protocol.render_results([result], room, self.budget.return_tokens)
+        except Exception as error:
+            return CloneResult(error=f"the result could not be rendered ({type(error).__name__})")
+        return result
 
 
 def _run_sync(coroutine):
