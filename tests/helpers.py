@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from selfcest.policy import ClonePolicy
 
@@ -39,3 +43,25 @@ def overfit(policy: ClonePolicy, traces: list[tuple[list[int], list[tuple[str, l
         optimizer.step()
     policy.model.eval()
     return loss.item()
+
+
+def fill_missing(node, value: str) -> list[str]:
+    """Set every mandatory (???) leaf of a composed config to ``value``; return their keys."""
+    filled = []
+    keys = list(node.keys()) if isinstance(node, DictConfig) else range(len(node))
+    for key in keys:
+        if OmegaConf.is_missing(node, key):
+            node[key] = value
+            filled.append(str(key))
+        elif isinstance(node[key], (DictConfig, ListConfig)):
+            filled += [f"{key}.{k}" for k in fill_missing(node[key], value)]
+    return filled
+
+
+def script_main(name: str):
+    """The ``main(argv)`` of ``scripts/<name>.py``, to run a script in process."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main

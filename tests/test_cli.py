@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,10 +11,11 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 
+from helpers import fill_missing
 from selfcest.cli import CONFIG_DIR, register_schemas, to_train_config
-from selfcest.train.config import ConfigError, validate
+from selfcest.train.config import ConfigError, load_split, validate
 from selfcest.train.trainer import GRPOTrainer, build_reward
 
 register_schemas()
@@ -29,19 +32,6 @@ def test_default_config_is_valid_and_typed():
     validate(config)
     assert config.model.name == "tiny" and config.rollout.budget.max_depth == 1
     assert config.algo.credit.strategy == "broadcast"
-
-
-def fill_missing(node, value: str) -> list[str]:
-    """Set every mandatory (???) leaf to ``value``; return their keys."""
-    filled = []
-    keys = list(node.keys()) if isinstance(node, DictConfig) else range(len(node))
-    for key in keys:
-        if OmegaConf.is_missing(node, key):
-            node[key] = value
-            filled.append(str(key))
-        elif isinstance(node[key], (DictConfig, ListConfig)):
-            filled += [f"{key}.{k}" for k in fill_missing(node[key], value)]
-    return filled
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -93,7 +83,8 @@ def test_reward_that_cannot_load_stops_before_any_model(tmp_path):
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "selfcest.train", *args], cwd=cwd,
+    env = {**os.environ, "PYTHONPATH": str(CONFIG_DIR.parent)}  # this checkout's selfcest
+    return subprocess.run([sys.executable, "-m", "selfcest.train", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -106,3 +97,76 @@ def test_train_cli_runs_and_config_errors_exit_2(tmp_path):
     bad = run_cli("rollout.budget.node_context=0", cwd=tmp_path)
     assert bad.returncode == 2
     assert "configuration error: rollout.budget.node_context must be >= 1" in bad.stderr
+
+
+# ------------------------------------------------------------------ task keys
+
+
+@pytest.mark.parametrize("group", sorted(p.stem for p in (CONFIG_DIR / "task").glob("*.yaml")))
+def test_a_task_group_gets_its_own_params_and_nothing_else(group):
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[f"task={group}"])
+    own = OmegaConf.load(CONFIG_DIR / "task" / f"{group}.yaml")
+    for key in ("params", "eval_params"):  # nothing merged in from the schema's defaults
+        assert OmegaConf.to_container(cfg.task[key]) == OmegaConf.to_container(own[key]), key
+
+
+def task_file(tmp_path) -> Path:
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt": "p", "answer": "7"}) + "\n")
+    return path
+
+
+def task_config(tmp_path, *overrides: str):
+    """A config whose required task paths are one small task file."""
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides))
+    fill_missing(cfg, str(task_file(tmp_path)))
+    return to_train_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["+task.params.split=train"], "task.params.split: task source 'jsonl' takes no 'split' (it takes path); remove it"),
+        (["+task.eval_params.split=test"], "task.eval_params.split: task source 'jsonl' takes no 'split'"),
+        (["task.params.path=/no/such.jsonl"], "task.params.path: no file or folder '/no/such.jsonl'"),
+        (["task=arithmetic", "task.params.n_train=abc"], "task.params.n_train must be int; got 'abc'"),
+        (["task=arithmetic", "+task.eval_params.seed=1.5"], "task.eval_params.seed must be int; got 1.5"),
+        (["task.name=nope"], "task.name must be one of keyed_sum, arithmetic"),
+        (["task=mixed", "task.params.sources.math_hard.params.path=/no/such.jsonl"],
+         "task.params.sources.math_hard.params.path: no file or folder"),
+        (["task=mixed", "task.params.sources.aime.repeat=0"], "task.params.sources.aime.repeat must be a whole number >= 1"),
+        (["task=mixed", "+task.params.sources.aime.params.split=train"],
+         "task.params.sources.aime.params.split: task source 'jsonl' takes no 'split'"),
+    ],
+)
+def test_bad_task_keys_name_the_key_and_the_fix(overrides, message, tmp_path):
+    config = task_config(tmp_path, "task=jsonl", *overrides)
+    with pytest.raises(ConfigError) as error:
+        validate(config)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_a_task_file_that_cannot_be_read_names_its_key(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"id": "b", "prompt": "p"}\n')
+    config = task_config(tmp_path, "task=jsonl", f"task.eval_params.path={tmp_path / 'bad.jsonl'}")
+    validate(config)
+    assert load_split(config.task, "train")[0].answer == "7"
+    with pytest.raises(ConfigError, match=r"task.eval_params \(jsonl\): .*bad.jsonl line 1: missing fields"):
+        load_split(config.task, "eval")
+    config = train_config("task=keyed_sum", "task.eval_params.split=dev")
+    with pytest.raises(ConfigError, match=r"task.eval_params \(keyed_sum\): split must be one of train, test, ood"):
+        load_split(config.task, "eval")
+
+
+@pytest.mark.paper  # a Python start-up: with the paper runs
+def test_a_paper_command_with_a_key_its_task_does_not_take_exits_2_in_one_line(tmp_path):
+    path = task_file(tmp_path)
+    bad = run_cli("experiment=paper_aime", "model.name=tiny", f"task.params.path={path}",
+                  f"task.eval_params.path={path}", "+task.params.split=train", cwd=tmp_path)
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "selfcest: configuration error: task.params.split: task source 'jsonl' takes no 'split' "
+        "(it takes path); remove it")
+    assert "Traceback" not in bad.stderr

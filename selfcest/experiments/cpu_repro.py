@@ -45,9 +45,8 @@ from selfcest.cli import CONFIG_DIR
 from selfcest.eval.stats import bootstrap_mean
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends.base import SamplingParams
-from selfcest.tasks import load_tasks
 from selfcest.tasks.keyed_sum import inline_view
-from selfcest.train.config import TrainConfig
+from selfcest.train.config import TrainConfig, held_out_splits, load_split
 from selfcest.train.sft import held_out_tasks, warm_start
 from selfcest.train.trainer import GRPOTrainer, build_policy, build_reward
 
@@ -214,11 +213,9 @@ def run(config: TrainConfig, settings: EvalSettings, log=say, warm_started: Path
 def evaluation_splits(config: TrainConfig, settings: EvalSettings) -> dict[str, list]:
     """The first ``tasks_per_split`` tasks of the held-out splits (``task.eval_params``, and
     ``task.ood_params`` when given); neither the warm start nor RL ever sees them."""
-    task = config.task
-    n = settings.tasks_per_split
-    splits = {"in-distribution": task.eval_params, "out-of-distribution": task.ood_params}
-    return {name: load_tasks(task.name, **{**task.params, **overrides})[:n]
-            for name, overrides in splits.items() if overrides}
+    names = {"eval": "in-distribution", "ood": "out-of-distribution"}
+    return {names[split]: load_split(config.task, split)[: settings.tasks_per_split]
+            for split in held_out_splits(config.task)}
 
 
 def held_out(config: TrainConfig, policy: ClonePolicy, tasks: list, settings: EvalSettings) -> HeldOut:

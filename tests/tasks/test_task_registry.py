@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from selfcest.tasks import MalformedRowError, load_jsonl, load_tasks, write_jsonl
+from selfcest.tasks import MalformedRowError, check_params, load_jsonl, load_tasks, write_jsonl
 from selfcest.tasks.keyed_sum import KeyedSumConfig, keyed_sum_splits
 
 
@@ -70,5 +70,32 @@ def test_mix_keeps_sources_apart_and_repeats():
     assert len(tasks) == 3 + 2 * 2
     assert len({t.id for t in tasks[:5]}) == 5  # same generator, different sources: distinct ids
     assert tasks[0].id.startswith("0/") and tasks[3].id.startswith("1/")
-    with pytest.raises(ValueError, match="mix source 0"):
+    with pytest.raises(ValueError, match=r"sources.0 must be \{name, params, repeat\}"):
         load_tasks("mix", sources=[{"params": {}}])
+
+
+def test_mix_sources_may_be_named_and_errors_name_them():
+    one = {"name": "keyed_sum", "params": {"split": "train", "n_train": 2, "n_test": 0, "n_ood": 0}}
+    tasks = load_tasks("mix", sources={"small": one, "twice": {**one, "repeat": 2}})
+    assert [t.id.split("/")[0] for t in tasks] == ["small"] * 2 + ["twice"] * 4
+    with pytest.raises(ValueError, match="sources.twice.params.n_train must be int; got '2'"):
+        load_tasks("mix", sources={"twice": {**one, "params": {"n_train": "2"}}})
+    with pytest.raises(ValueError, match="sources.twice.params.split: task source 'jsonl' takes no 'split'"):
+        load_tasks("mix", sources={"twice": {"name": "jsonl", "params": {"split": "x"}}})
+
+
+def test_check_params_reads_nothing_and_names_arguments_by_the_callers_key(tmp_path):
+    def key(arg):
+        return f"task.params.{arg}"
+
+    check_params("jsonl", {"path": str(tmp_path)}, key)  # it exists; nothing is read
+    check_params("gym", {"dataset": "chain_sum", "size": 2, "anything": 1}, key)  # **config
+    for params, message in [
+        ({}, "task.params.path is required by task source 'jsonl'"),
+        ({"path": 3}, "task.params.path must be str | Path; got 3"),
+        ({"path": str(tmp_path / "none")}, "task.params.path: no file or folder"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_params("jsonl", params, key)
+    with pytest.raises(ValueError, match="task.params.seed must be int; got True"):
+        check_params("arithmetic", {"seed": True}, key)

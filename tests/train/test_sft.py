@@ -63,6 +63,7 @@ def test_the_sft_entry_point_leaves_held_out_tasks_out_and_saves_a_loadable_poli
     config = TrainConfig()
     shape = {"num_keys": 2, "list_len": 2, "max_value": 3}
     config.task.params = {"split": "train", "n_train": 16, "n_test": 8, "n_ood": 0, "train": shape}
+    config.task.eval_params = {"split": "test"}
     config.warm_start.tasks = {"name": "keyed_sum", "params": {**config.task.params, "n_train": 24}}
     config.warm_start.teacher_params = {"redelegate": 0.0}
     config.warm_start.sft = SFTConfig(steps=3, sequences_per_step=4)
