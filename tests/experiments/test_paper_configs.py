@@ -57,6 +57,10 @@ def group(source: str) -> tuple[list[CloneTree], Task]:
     good.add(Node("0.0", "0", 1, "add 3 and 4", [1], segments=[sampled("Answer: 7")], finish_reason="eos"))
     wrong = CloneTree(task_id="t", task_index=0, sample_index=1)
     wrong.add(Node("0", None, 0, None, [1, 2], segments=[sampled("Answer: 5")], finish_reason="eos"))
+    for tree in (good, wrong):  # what the engine decodes from each node's final turn
+        for node in tree.nodes.values():
+            node.final_text = node.last_turn_text()
+            node.answer = node.final_text.removeprefix("Answer: ")
     return [good, wrong], task
 
 
