@@ -26,9 +26,10 @@ from selfcest.budget import Budget
 from selfcest.policy import ClonePolicy
 from selfcest.rewards.base import RewardResult
 from selfcest.tasks import load_tasks
+from selfcest.tasks.keyed_sum_teacher import KeyedSumTeacher
 from selfcest.train.config import TrainConfig
+from selfcest.train.traces import teacher_trees
 from selfcest.train.trainer import GRPOTrainer
-from selfcest.train.traces import KeyedSumTeacher, teacher_trees
 
 
 def trainer_for(size: str, output_dir: str) -> GRPOTrainer:

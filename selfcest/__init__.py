@@ -15,7 +15,7 @@ from selfcest.policy import ClonePolicy
 from selfcest.protocol import TokenProtocol, ToolCallProtocol
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.engine import RolloutEngine
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tree import CloneTree
 
 __all__ = [

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from selfcest.configure import ConfigError, setting
 
-class BudgetError(ValueError):
+
+class BudgetError(ConfigError):
     """An impossible budget configuration."""
 
 
@@ -20,31 +22,33 @@ class BudgetError(ValueError):
 class Budget:
     """Every limit that applies to one clone tree (validated on construction)."""
 
-    node_generation: int = 256  # tokens one node may generate over all its turns
-    # Tokens one clone may generate, if clones get less than the root (the paper code: root
-    # 4096, clones 1024); 0 means node_generation.
-    clone_generation: int = 0
-    node_context: int = 1024  # tokens one node's context may hold (prompt + all segments)
-    tree_generation: int = 2048  # tokens all nodes of a tree may generate together
-    max_depth: int = 1  # deepest clone level; 0 disables spawning, 1 lets only the root spawn
-    clones_per_spawn: int = 4  # objectives one spawn call may start; extras get an error entry
-    clones_per_tree: int = 16  # clones one tree may hold in total
-    spawn_rounds: int = 2  # spawn calls one node may make (malformed calls count too)
-    return_tokens: int = 32  # tokens of one clone's answer shown to its parent
+    node_generation: int = setting(256, help="tokens one node may generate over all its turns")
+    clone_generation: int = setting(0, help=(
+        "tokens one clone may generate, if clones get less than the root (the paper code: root "
+        "4096, clones 1024); 0 means node_generation"))
+    node_context: int = setting(1024, help="tokens one node's context may hold (prompt + all segments)")
+    tree_generation: int = setting(2048, help="tokens all nodes of a tree may generate together (the matched inference budget)")
+    max_depth: int = setting(1, help="deepest clone level; 0 disables spawning, 1 lets only the root spawn")
+    clones_per_spawn: int = setting(4, help="objectives one spawn call may start; extras get an error entry")
+    clones_per_tree: int = setting(16, help="clones one tree may hold in total")
+    spawn_rounds: int = setting(2, help="spawn calls one node may make (malformed calls count too)")
+    return_tokens: int = setting(32, help="tokens of one clone's answer shown to its parent")
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise BudgetError(f"budget.{f.name} must be an integer, got {value!r}")
+                raise BudgetError(f"{f.name} must be an integer, got {value!r}")
             minimum = 0 if f.name in ("max_depth", "clones_per_tree", "spawn_rounds", "clone_generation") else 1
             if value < minimum:
-                raise BudgetError(f"budget.{f.name} must be >= {minimum}, got {value}")
+                raise BudgetError(f"{f.name} must be >= {minimum}, got {value}")
         if self.node_generation > self.tree_generation:
             raise BudgetError(
-                f"budget.node_generation ({self.node_generation}) exceeds "
-                f"budget.tree_generation ({self.tree_generation}): raise tree_generation "
-                "or lower node_generation"
+                f"node_generation ({self.node_generation}) exceeds tree_generation "
+                f"({self.tree_generation}): raise tree_generation or lower node_generation"
             )
 
     @property

@@ -7,19 +7,31 @@ tokenizer trained in memory, so tests and demos never touch the network.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
+from selfcest.algo.losses import token_logprobs
 from selfcest.budget import Budget
+from selfcest.configure import setting
 from selfcest.protocol import Protocol, TokenProtocol, ToolCallProtocol
 from selfcest.rollout.backends.base import Backend, SamplingParams
-from selfcest.tasks.base import Task
+from selfcest.rollout.backends.hf import HFBackend
+from selfcest.rollout.engine import RolloutEngine
+from selfcest.task import Task
 from selfcest.tree import CloneTree
 
 PROTOCOLS: dict[str, type[Protocol]] = {"token": TokenProtocol, "tool": ToolCallProtocol}
@@ -98,11 +110,10 @@ def build_tokenizer(vocab_size: int = 2048, protocol_tokens: bool = True) -> Pre
 class LoraSettings:
     """LoRA adapter settings (peft)."""
 
-    r: int = 16  # rank
-    alpha: int = 32  # scaling numerator (scale = alpha / r)
-    dropout: float = 0.0
-    # "all-linear", or a regular expression over module names (peft's target_modules).
-    target_modules: str = "all-linear"
+    r: int = setting(16, help="rank")
+    alpha: int = setting(32, help="scaling numerator (scale = alpha / r)")
+    dropout: float = setting(0.0, help="dropout on the adapter's input")
+    target_modules: str = setting("all-linear", help="all-linear, or a regular expression over module names (peft's target_modules)")
 
 
 class ClonePolicy:
@@ -204,8 +215,6 @@ class ClonePolicy:
         path.mkdir(parents=True, exist_ok=True)
         model = self.model
         if merge_lora and hasattr(model, "merge_and_unload"):
-            import copy
-
             model = copy.deepcopy(model).merge_and_unload()
         if getattr(model.config, "quantization_config", None) is not None:
             del model.config.quantization_config  # a GGUF-loaded model is plain fp32 in memory
@@ -221,8 +230,6 @@ class ClonePolicy:
     # ------------------------------------------------------------------ use
 
     def backend(self, max_batch_size: int = 64) -> Backend:
-        from selfcest.rollout.backends.hf import HFBackend
-
         return HFBackend(self.model, self.tokenizer.pad_token_id, max_batch_size=max_batch_size)
 
     def engine(
@@ -232,8 +239,6 @@ class ClonePolicy:
         seed: int = 0,
         backend: Backend | None = None,
     ):
-        from selfcest.rollout.engine import RolloutEngine
-
         return RolloutEngine(backend or self.backend(), self.protocol, budget, sampling, seed)
 
     def solve(
@@ -251,7 +256,7 @@ class ClonePolicy:
         return self.engine(budget, sampling, seed).rollout([task])[0]
 
     @torch.no_grad()
-    def token_logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+    def logprobs_of(self, sequences: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
         """Logprob of every token given its prefix (entry t is for token t + 1), per sequence."""
         device = next(self.model.parameters()).device
         width = max(len(s) for s in sequences)
@@ -260,20 +265,25 @@ class ClonePolicy:
         for row, seq in enumerate(sequences):
             ids[row, : len(seq)] = torch.tensor(seq)
             mask[row, : len(seq)] = 1
-        logp = sequence_logprobs(self.model, ids.to(device), mask.to(device), temperature)
-        return [logp[row, : len(seq) - 1].cpu() for row, seq in enumerate(sequences)]
+        logp, _ = forward_logprobs(self.model, ids.to(device), mask.to(device), temperature)
+        return [logp[row, 1 : len(seq)].cpu() for row, seq in enumerate(sequences)]
 
 
-def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0) -> torch.Tensor:
-    """Per-token logprobs [batch, length - 1] of ``input_ids[:, 1:]`` (right-padded batch).
+def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input-aligned logprobs ``[batch, T]`` of ``input_ids`` under ``model``'s logits /
+    temperature (`selfcest.algo.losses.token_logprobs`: position 0 holds 0), and those tempered
+    logits. The one forward pass every logprob of selfcest comes from: training, warm start,
+    sync verification, notebooks.
 
-    Position ids come from the attention mask, so padded rows see the positions they would
-    alone (that is what makes these logprobs agree with the backends' sampled ones).
+    Position ids come from the attention mask, so every row of a padded batch sees the
+    positions it had when it was sampled alone (that is what makes these logprobs agree with
+    the backends' sampled ones).
     """
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
-    logits = logits[:, :-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    logits = logits / temperature
+    return token_logprobs(logits, input_ids), logits
 
 
 def add_protocol_tokens(model, tokenizer, tokens: tuple[str, ...]) -> list[str]:
@@ -303,8 +313,6 @@ def apply_lora(model, lora: LoraSettings | dict, trainable_tokens: list[int] | N
     pieces' embeddings; frozen there (with tied embeddings) its logit stays the mean of its
     pieces' logits, below the best of them, so greedy decoding could never emit it.
     """
-    from peft import LoraConfig, get_peft_model
-
     settings = lora if isinstance(lora, LoraSettings) else LoraSettings(**lora)
     config = LoraConfig(
         r=settings.r,

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from selfcest.budget import fair_shares
-from selfcest.tasks.base import Task
+from selfcest.task import Task, context_block
 
 ANSWER_MARKER = re.compile(r"answer\s*:", re.IGNORECASE)
 TRUNCATION_MARKER = "…"
@@ -102,10 +102,6 @@ def resolve_keys(keys: Sequence[str], context: Mapping[str, str]) -> tuple[list[
 
 def _fold(key: str) -> str:
     return " ".join(key.split()).casefold()
-
-
-def context_block(keys: Sequence[str], context: Mapping[str, str]) -> str:
-    return "\n".join(f"[{key}] {context[key]}" for key in keys)
 
 
 class Protocol(ABC):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import DEMO_CONTEXT, overfit
+
 from selfcest.policy import ClonePolicy
 
 # Tiny models gain nothing from intra-op threads, and OpenMP threads that spin against other
@@ -47,6 +47,6 @@ def spawning_policy(demo_task) -> ClonePolicy:
 @pytest.fixture(scope="session")
 def demo_task():
     """The task `spawning_policy` learned to delegate."""
-    from selfcest.tasks.base import Task
+    from selfcest.task import Task
 
     return Task("demo", "Add all numbers in L1 L2.", "10", DEMO_CONTEXT)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from selfcest.policy import ClonePolicy
+from selfcest.policy import ClonePolicy, forward_logprobs
 
 DEMO_CONTEXT = {"L1": "1 2", "L2": "3 4"}
 
@@ -16,8 +16,6 @@ DEMO_CONTEXT = {"L1": "1 2", "L2": "3 4"}
 def overfit(policy: ClonePolicy, traces: list[tuple[list[int], list[tuple[str, list[int]]]]], steps: int = 150):
     """Train ``policy`` in place to reproduce ``traces`` (prompt ids, [(kind, ids), ...]);
     loss on ``sampled`` pieces only. A few seconds on a tiny model."""
-    from selfcest.policy import sequence_logprobs
-
     rows = []
     for prompt, pieces in traces:
         ids, mask = list(prompt), [0] * len(prompt)
@@ -36,8 +34,8 @@ def overfit(policy: ClonePolicy, traces: list[tuple[list[int], list[tuple[str, l
     optimizer = torch.optim.Adam(policy.model.parameters(), lr=1e-2)
     policy.model.train()
     for _ in range(steps):
-        logp = sequence_logprobs(policy.model, input_ids, attention)
-        loss = -(logp * target_mask[:, 1:]).sum() / target_mask.sum()
+        logp, _ = forward_logprobs(policy.model, input_ids, attention)
+        loss = -(logp * target_mask).sum() / target_mask.sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from selfcest.budget import Allowance, Budget, BudgetError, clone_allowance, clone_pools, fair_shares
+from selfcest.budget import (
+    Allowance,
+    Budget,
+    BudgetError,
+    clone_allowance,
+    clone_pools,
+    fair_shares,
+)
 
 
 def test_budget_rejects_impossible_values_naming_the_key():
-    with pytest.raises(BudgetError, match="budget.node_context must be >= 1"):
+    with pytest.raises(BudgetError, match="^node_context must be >= 1"):
         Budget(node_context=0)
-    with pytest.raises(BudgetError, match="budget.node_generation .* exceeds budget.tree_generation"):
+    with pytest.raises(BudgetError, match=r"^node_generation \(\d+\) exceeds tree_generation"):
         Budget(node_generation=500, tree_generation=100)
     with pytest.raises(BudgetError, match="must be an integer"):
         Budget(return_tokens=2.5)

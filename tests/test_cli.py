@@ -9,14 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import fill_missing
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from helpers import fill_missing
-from selfcest.cli import CONFIG_DIR, register_schemas, to_train_config
-from selfcest.train.config import ConfigError, load_split, validate
-from selfcest.train.trainer import GRPOTrainer, build_reward
+from selfcest.algo.losses import LossConfig, aggregation_weights
+from selfcest.cli import register_schemas
+from selfcest.configure import CONFIG_DIR, ConfigError, build
+from selfcest.train.config import TrainConfig, load_split, validate
+from selfcest.train.setup import build_reward, build_trainer
 
 register_schemas()
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
@@ -24,7 +26,7 @@ EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
 
 def train_config(*overrides: str):
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-        return to_train_config(compose("train", overrides=list(overrides)))
+        return build(TrainConfig, compose("train", overrides=list(overrides)))
 
 
 def test_default_config_is_valid_and_typed():
@@ -41,9 +43,25 @@ def test_every_shipped_experiment_composes(experiment, tmp_path):
     # GPU experiments take the model and data paths on the command line.
     required = fill_missing(cfg, str(tmp_path))
     assert all(k == "model.name" or "path" in k for k in required), required
-    config = to_train_config(cfg)
+    config = build(TrainConfig, cfg)
     validate(config)
     assert callable(build_reward(config))  # the reward spec and its parameters load
+    # Every tree weighs the same in the loss, however many clones it has (configs/algo/grpo.yaml).
+    assert config.algo.loss.aggregation == "tree_mean"
+
+
+@pytest.mark.parametrize("mode, split", [("tree_mean", (0.5, 0.5)), ("token_mean", (0.9, 0.1)),
+                                         ("seq_mean_token_mean", (0.9, 0.1))])
+def test_gradient_mass_of_a_tree_with_eight_clones_and_one_without(mode, split):
+    """100 trainable tokens a node: tree 0 has a root and 8 clones, tree 1 a root alone."""
+    lengths, trees = [100] * 10, [0] * 9 + [1]
+    weights = aggregation_weights(lengths, trees, mode)
+    mass = [sum(w * n for w, n, t in zip(weights, lengths, trees) if t == tree) for tree in (0, 1)]
+    assert mass == pytest.approx(list(split))
+
+
+def test_the_default_aggregation_weighs_every_tree_the_same():
+    assert train_config().algo.loss.aggregation == "tree_mean" == LossConfig().aggregation
 
 
 @pytest.mark.parametrize(
@@ -52,13 +70,11 @@ def test_every_shipped_experiment_composes(experiment, tmp_path):
         ("rollout.budget.node_context=0", "rollout.budget.node_context must be >= 1"),
         ("rollout.budget.node_generation=5000", "rollout.budget.node_generation (5000) exceeds"),
         ("algo.credit.strategy=magic", "algo.credit.strategy must be one of"),
-        ("algo.loss.aggregation=sum", "algo.loss.aggregation must be one of"),
         ("algo.loss.clip_low=1.5", "algo.loss.clip_low must be < 1"),
         ("model=hf", "model.name is required"),
         ("model.name=/no/such/model", "model.name must be one of"),
         ("trainer.trees_per_prompt=1", "trainer.trees_per_prompt must be >= 2"),
         ("trainer.tokens_per_micro_batch=100", "trainer.tokens_per_micro_batch (100) is smaller"),
-        ("trainer.schedule=step", "trainer.schedule must be one of"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -66,7 +82,10 @@ def test_bad_values_name_the_key(override, message):
         validate(train_config(override))
 
 
-def test_unknown_keys_and_wrong_types_are_rejected_at_composition():
+def test_unknown_keys_wrong_types_and_choices_are_rejected_at_composition():
+    for override in ("algo.loss.aggregation=sum", "trainer.schedule=step"):  # choices are enums
+        with pytest.raises(ConfigCompositionException, match=override):
+            train_config(override)
     with pytest.raises(ConfigCompositionException, match="trainer.foo"):
         train_config("trainer.foo=1")
     with pytest.raises(ConfigError, match="unknown key trainer.foo"):
@@ -78,7 +97,7 @@ def test_unknown_keys_and_wrong_types_are_rejected_at_composition():
 def test_reward_that_cannot_load_stops_before_any_model(tmp_path):
     config = train_config("task.reward=no.such.module:reward", f"trainer.output_dir={tmp_path}")
     with pytest.raises(ConfigError, match="task.reward: reward spec 'no.such.module:reward'"):
-        GRPOTrainer(config)
+        build_trainer(config)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -122,7 +141,7 @@ def task_config(tmp_path, *overrides: str):
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=list(overrides))
     fill_missing(cfg, str(task_file(tmp_path)))
-    return to_train_config(cfg)
+    return build(TrainConfig, cfg)
 
 
 @pytest.mark.parametrize(

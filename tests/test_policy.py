@@ -85,7 +85,7 @@ def test_lora_policy_trains_only_the_adapter_and_saves_merged(demo_task, tmp_pat
     # It decoded with the adapter: the logprobs it sampled with are the LoRA model's.
     segment, start = tree.root.segments[0], len(tree.root.prompt_ids) - 1
     assert segment.kind == "sampled" and segment.token_ids
-    forward = lora.token_logprobs([tree.root.prompt_ids + segment.token_ids])[0][start:]
+    forward = lora.logprobs_of([tree.root.prompt_ids + segment.token_ids])[0][start:]
     assert torch.allclose(forward, torch.tensor(segment.logprobs), atol=1e-5)
     with torch.no_grad():
         for name, param in lora.model.named_parameters():
@@ -94,7 +94,7 @@ def test_lora_policy_trains_only_the_adapter_and_saves_merged(demo_task, tmp_pat
     lora.save_pretrained(tmp_path / "merged")
     merged = ClonePolicy.from_pretrained(tmp_path / "merged")
     ids = [lora.protocol.root_prompt(demo_task)]
-    assert torch.allclose(lora.token_logprobs(ids)[0], merged.token_logprobs(ids)[0], atol=1e-5)
+    assert torch.allclose(lora.logprobs_of(ids)[0], merged.logprobs_of(ids)[0], atol=1e-5)
 
 
 def test_lora_trains_the_protocol_token_embeddings_and_no_other_row(tmp_path):
@@ -117,9 +117,9 @@ def test_lora_trains_the_protocol_token_embeddings_and_no_other_row(tmp_path):
 
 def test_token_logprobs_match_unpadded_forward(tiny_policy):
     seqs = [[1, 5, 9, 30, 2], [7, 8], [3, 3, 3, 3, 3, 3, 3]]
-    batched = tiny_policy.token_logprobs(seqs)
+    batched = tiny_policy.logprobs_of(seqs)
     for seq, logp in zip(seqs, batched):
-        (alone,) = tiny_policy.token_logprobs([seq])
+        (alone,) = tiny_policy.logprobs_of([seq])
         assert logp.shape == (len(seq) - 1,)
         assert torch.allclose(logp, alone, atol=1e-5)
 

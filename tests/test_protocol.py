@@ -20,7 +20,7 @@ from selfcest.protocol import (
     extract_answer,
     resolve_keys,
 )
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 
 
 @pytest.fixture(scope="module")

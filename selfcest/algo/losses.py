@@ -21,11 +21,27 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "tree_mean")
-KL_ESTIMATORS = ("k2", "k3")
+from selfcest.configure import is_number, require, setting
+
+
+class Aggregation(str, Enum):
+    """How a step's token losses are averaged (see `aggregation_weights`)."""
+
+    token_mean = "token_mean"  # every trainable token weighs the same
+    seq_mean_token_mean = "seq_mean_token_mean"  # every node weighs the same
+    tree_mean = "tree_mean"  # every tree weighs the same, however many clones it has
+
+
+class KLEstimator(str, Enum):
+    k2 = "k2"  # (logp - ref)^2 / 2
+    k3 = "k3"  # exp(ref - logp) - (ref - logp) - 1: low variance, unbiased, >= 0
+
+
+AGGREGATIONS = tuple(mode.value for mode in Aggregation)
 
 # log(pi/pi_old) is clamped to +-20 before exp: a ratio of e^20 is clipped anyway for
 # positive advantages, and unclamped it overflows float32 (and bf16) to inf.
@@ -34,64 +50,49 @@ _LOG_RATIO_CLAMP = 20.0
 
 @dataclass
 class LossConfig:
-    """PPO-clip loss settings; every one of them takes effect (REFERENCE.md §9.1)."""
+    """PPO-clip loss settings; every one of them takes effect (docs/reference.md on the paper
+    code's clip setting that did not)."""
 
-    # The ratio is clipped below at 1 - clip_low (binds where the advantage is negative).
-    clip_low: float = 0.2
-    # The ratio is clipped above at 1 + clip_high (binds where the advantage is positive).
-    clip_high: float = 0.2
-    # Dual clip (Ye et al. 2020): None, or c > 1 capping a negative-advantage token's loss
-    # at c * |A|, so a token whose ratio exploded cannot dominate the step (reference: 3.0).
-    dual_clip: float | None = None
-    # Weight of the KL penalty to the reference policy; 0 turns it off (reference: 5e-4).
-    kl_coef: float = 0.0
-    # "k3": exp(ref - logp) - (ref - logp) - 1 (low variance, unbiased, >= 0; the
-    # reference's low_var_kl); "k2": (logp - ref)^2 / 2.
-    kl_estimator: str = "k3"
-    # Per-token KL estimates are clamped to [-kl_clamp, kl_clamp] (the reference's 10), which
-    # also stops the gradient of tokens whose estimate exceeds it.
-    kl_clamp: float = 10.0
-    # Weight of the entropy bonus; 0 turns it off.
-    entropy_coef: float = 0.0
-    # How token losses are averaged over a step: "token_mean", "seq_mean_token_mean" or
-    # "tree_mean" (see `aggregation_weights`).
-    aggregation: str = "token_mean"
-    # Cap C of the truncated importance weight min(pi_old / pi_behaviour, C), applied only
-    # when the caller passes behaviour logprobs (samples drawn under an older weight version,
-    # with old_logprobs recomputed under the current one).
-    max_importance_ratio: float = 2.0
+    clip_low: float = setting(0.2, help="the ratio is clipped below at 1 - clip_low (binds where the advantage is negative)")
+    clip_high: float = setting(0.2, help="the ratio is clipped above at 1 + clip_high (binds where the advantage is positive)")
+    dual_clip: float | None = setting(None, help=(
+        "dual clip: null, or c > 1 capping a negative-advantage token's loss at c * |A|, so a "
+        "token whose ratio exploded cannot dominate the step (reference: 3.0)"))
+    kl_coef: float = setting(0.0, help="weight of the KL penalty to the reference policy; 0 turns it off (reference: 5e-4)")
+    kl_estimator: KLEstimator = setting(KLEstimator.k3, help=(
+        "k3: exp(ref - logp) - (ref - logp) - 1 (low variance, unbiased, >= 0; the reference's "
+        "low_var_kl); k2: (logp - ref)^2 / 2"))
+    kl_clamp: float = setting(10.0, help=(
+        "per-token KL estimates are clamped to [-kl_clamp, kl_clamp] (the reference's 10), which "
+        "also stops the gradient of tokens whose estimate exceeds it"))
+    entropy_coef: float = setting(0.0, help="weight of the entropy bonus; 0 turns it off")
+    aggregation: Aggregation = setting(Aggregation.tree_mean, help=(
+        "how token losses are averaged over a step: tree_mean (every tree weighs the same), "
+        "token_mean or seq_mean_token_mean (a tree with 8 clones outweighs one without 9:1); "
+        "see aggregation_weights"))
+    max_importance_ratio: float = setting(2.0, help=(
+        "cap C of the truncated importance weight min(pi_old / pi_behaviour, C), applied to "
+        "samples drawn under an older weight version, old logprobs recomputed"))
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
         for name in ("clip_low", "clip_high", "kl_coef", "kl_clamp", "entropy_coef",
                      "max_importance_ratio"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"loss.{name} must be a number, got {value!r}")
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"loss.{name} must be a finite number >= 0, got {value!r}")
-        if self.clip_low >= 1:
-            raise ValueError(f"loss.clip_low must be < 1 (the ratio floor is 1 - clip_low), "
-                             f"got {self.clip_low}")
-        if self.kl_clamp == 0:
-            raise ValueError("loss.kl_clamp must be > 0")
-        if self.max_importance_ratio < 1:
-            raise ValueError(
-                f"loss.max_importance_ratio must be >= 1, got {self.max_importance_ratio}"
-            )
-        if self.dual_clip is not None and not (
-            isinstance(self.dual_clip, (int, float)) and self.dual_clip > 1
-        ):
-            raise ValueError(f"loss.dual_clip must be null or a number > 1, got {self.dual_clip!r}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"loss.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, "
-                f"got {self.kl_estimator!r}"
-            )
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(
-                f"loss.aggregation must be one of {', '.join(AGGREGATIONS)}, "
-                f"got {self.aggregation!r}"
-            )
+            require(is_number(value) and math.isfinite(value) and value >= 0, name,
+                    f"must be a finite number >= 0; got {value!r}")
+        require(self.clip_low < 1, "clip_low", f"must be < 1 (the ratio floor is 1 - clip_low); got {self.clip_low}")
+        require(self.kl_clamp > 0, "kl_clamp", "must be > 0")
+        require(self.max_importance_ratio >= 1, "max_importance_ratio",
+                f"must be >= 1; got {self.max_importance_ratio}")
+        require(self.dual_clip is None or (is_number(self.dual_clip) and self.dual_clip > 1), "dual_clip",
+                f"must be null or a number > 1; got {self.dual_clip!r}")
+        require(self.kl_estimator in tuple(KLEstimator), "kl_estimator",
+                f"must be one of {', '.join(e.value for e in KLEstimator)}; got {self.kl_estimator!r}")
+        require(self.aggregation in AGGREGATIONS, "aggregation",
+                f"must be one of {', '.join(AGGREGATIONS)}; got {self.aggregation!r}")
 
 
 def per_token_loss(
@@ -211,7 +212,7 @@ def kl_penalty(
     elif estimator == "k2":
         value = 0.5 * delta.square()
     else:
-        raise ValueError(f"unknown KL estimator {estimator!r}; use one of {KL_ESTIMATORS}")
+        raise ValueError(f"unknown KL estimator {estimator!r}; use one of {[e.value for e in KLEstimator]}")
     return value.clamp(-clamp, clamp)
 
 

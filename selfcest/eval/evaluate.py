@@ -21,25 +21,32 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from statistics import fmean
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from selfcest.budget import Budget
 from selfcest.eval.report import write_report
 from selfcest.eval.results import CellResult, EvalResults
 from selfcest.eval.stats import bootstrap_mean
-from selfcest.rewards.base import RewardFn, RewardResult
+from selfcest.policy import ClonePolicy
+from selfcest.rewards.base import RewardFn, score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.engine import RolloutEngine
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tasks.io import load_jsonl
 from selfcest.tree import CloneTree
 
 logger = logging.getLogger(__name__)
 
-MethodKind = Literal["clones", "monolithic", "self_consistency"]
-METHOD_KINDS: tuple[MethodKind, ...] = ("clones", "monolithic", "self_consistency")
+class MethodKind(str, Enum):
+    clones = "clones"  # the policy may spawn clones
+    monolithic = "monolithic"  # spawning disabled, one sample
+    self_consistency = "self_consistency"  # spawning disabled, majority vote over samples
+
+
+METHOD_KINDS = tuple(kind.value for kind in MethodKind)
 TREES_DIR = "trees"
 CONFIDENCE = 0.95  # level of every bootstrap interval
 
@@ -341,9 +348,7 @@ def _score_task(
     normalize: Callable[[str], str],
 ) -> _Outcome:
     """Score every tree of one task; the vote's tree decides correctness and reward."""
-    results = [reward_fn(tree, task) for tree in trees]
-    for tree, result in zip(trees, results):
-        _attach(tree, result)
+    results = score_trees(trees, {task.id: task}, reward_fn)
     vote = majority_vote([tree.answer for tree in trees], normalize)
     if method.kind == "self_consistency":
         for i, tree in enumerate(trees):
@@ -366,14 +371,6 @@ def _score_task(
         budget_truncated=fmean(r == "budget" for r in roots),
         error=fmean(r == "error" for r in roots),
     )
-
-
-def _attach(tree: CloneTree, result: RewardResult) -> None:
-    tree.reward = float(result.score)
-    tree.correct = bool(result.correct)
-    tree.node_rewards = result.node_rewards
-    if result.info:
-        tree.info["reward_info"] = dict(result.info)
 
 
 def _slug(name: str) -> str:
@@ -426,8 +423,6 @@ def run_evaluation(
         if not isinstance(source, (str, Path)):
             return source
         if str(source) not in policies:
-            from selfcest.policy import ClonePolicy
-
             policies[str(source)] = ClonePolicy.from_pretrained(source)
         return policies[str(source)]
 

@@ -9,7 +9,11 @@ warm start under each aggregation and several RL seeds, and compares the held-ou
 the training temperature (what RL optimises, on tasks it never saw)::
 
     selfcest-sft experiment=cpu_repro trainer.output_dir=runs/aggregation
-    python -m selfcest.experiments.aggregation --warm-started runs/aggregation/sft
+    python -m selfcest.experiments.aggregation warm_start.policy=runs/aggregation/sft eval.seeds=3
+
+A Hydra app over the ``cpu_repro`` experiment (``--help`` lists every key): the RL seeds are
+``trainer.seed`` and the ``eval.seeds - 1`` after it, the held-out sets ``eval.tasks_per_split``
+tasks per split, ``eval.reward_samples`` trees per task.
 
 Writes ``runs/aggregation/report.md`` and ``results.json``: per aggregation and split, the
 held-out reward (mean over seeds of the per-task mean over samples), its paired difference
@@ -22,7 +26,6 @@ the RL run (task order, sampling), not the warm start.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -30,17 +33,13 @@ import time
 from pathlib import Path
 
 from selfcest.algo.losses import AGGREGATIONS, aggregation_weights
+from selfcest.cli import register_schemas
+from selfcest.configure import ConfigError, hydra_app
 from selfcest.eval.stats import bootstrap_mean
-from selfcest.experiments.cpu_repro import (
-    EvalSettings,
-    compose,
-    evaluation_splits,
-    held_out,
-    say,
-    train_arm,
-)
+from selfcest.experiments.cpu_repro import evaluation_splits, held_out, say, train_arm
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends.base import SamplingParams
+from selfcest.train.config import TrainConfig
 from selfcest.tree import CloneTree
 
 
@@ -60,10 +59,16 @@ def largest_trees_share(trees: list[CloneTree], mode: str) -> float:
     return sum(mass[i] for i in largest) / sum(mass)
 
 
-def run(warm_started: Path, seeds: list[int], overrides: list[str], out: Path,
-        settings: EvalSettings, log=say) -> dict:
-    """Train and measure every (aggregation, seed); returns the results written to ``out``."""
-    base = compose("cpu_repro", overrides)
+def run(base: TrainConfig, log=say) -> dict:
+    """Train and measure every (aggregation, seed) from the warm start ``warm_start.policy``;
+    returns the results written to ``trainer.output_dir``."""
+    if base.warm_start.policy is None:
+        raise ConfigError("warm_start.policy is required: the warm start every run starts from "
+                          "(selfcest-sft experiment=cpu_repro writes one to <output_dir>/sft)")
+    settings, warm_started = base.eval, Path(base.warm_start.policy)
+    seeds = [base.trainer.seed + k for k in range(settings.seeds)]
+    out = Path(base.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
     splits = evaluation_splits(base, settings)
     sft = ClonePolicy.from_pretrained(warm_started)
     start_reward = {name: held_out(base, sft, tasks, settings).reward for name, tasks in splits.items()}
@@ -92,7 +97,7 @@ def run(warm_started: Path, seeds: list[int], overrides: list[str], out: Path,
                 row[f"heldout/{name}"] = statistics.fmean(rewards)
             runs.append(row)
             log(json.dumps(row))
-    summary = summarise(per_task, start_reward, settings.bootstrap)
+    summary = summarise(per_task, start_reward, settings.bootstrap_samples)
     results = {"seeds": seeds, "runs": runs, "summary": summary, "largest_trees_share": shares,
                "start": {name: statistics.fmean(values) for name, values in start_reward.items()}}
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -143,18 +148,11 @@ def report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warm-started", type=Path, required=True, metavar="DIR",
-                        help="the warm start to train from (selfcest-sft experiment=cpu_repro)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds")
-    parser.add_argument("--tasks-per-split", type=int, default=100, help="held-out tasks per split")
-    parser.add_argument("--out", type=Path, default=Path("runs/aggregation"))
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.steps=16")
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    settings = EvalSettings(tasks_per_split=args.tasks_per_split)
-    run(args.warm_started, args.seeds, args.overrides, args.out, settings)
+def main() -> None:
+    """The Hydra app: ``experiment=`` defaults to cpu_repro, ``trainer.output_dir`` to
+    runs/aggregation."""
+    register_schemas()
+    hydra_app("train", TrainConfig, run, program="python -m selfcest.experiments.aggregation", defaults=["experiment=cpu_repro", "trainer.output_dir=runs/aggregation"])
 
 
 if __name__ == "__main__":

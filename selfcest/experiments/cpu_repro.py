@@ -4,18 +4,22 @@ The paper claims that a model trained end to end with clones (1) improves the
 accuracy-cost Pareto frontier over monolithic baselines at matched inference budget and
 (2) generalises out of distribution. This script tests both at laptop scale::
 
-    python -m selfcest.experiments.cpu_repro            # make run; ~10 min on 2 cores
-    python -m selfcest.experiments.cpu_repro --quick    # the test-sized variant (3-5 min)
+    python -m selfcest.experiments.cpu_repro                              # make run; ~10 min on 2 cores
+    python -m selfcest.experiments.cpu_repro experiment=cpu_repro_quick   # the test-sized variant
     python -m selfcest.experiments.cpu_repro trainer.steps=40 rollout.budget.node_context=320
+    python -m selfcest.experiments.cpu_repro warm_start.policy=runs/cpu_repro/sft   # reuse a warm start
 
-Settings live in ``configs/experiment/cpu_repro.yaml`` (``cpu_repro_quick.yaml``); extra
-arguments override them. Steps, each timed, outputs under ``runs/<name>/``:
+A Hydra app like ``selfcest-train`` (``--help`` lists every key): the experiment is
+``configs/experiment/cpu_repro.yaml`` unless ``experiment=`` names another, its ``eval``
+section sets the evaluation, and extra arguments override anything. Steps, each timed,
+outputs under ``runs/<name>/``:
 
 1. warm start: SFT of a fresh model on teacher demonstrations of both styles (shared);
-2. arm A, clones: GRPO from the warm start; the root sees keys only and may spawn;
-3. arm B, monolithic: GRPO from the same warm start on the same tasks with the lists
-   printed in the prompt, spawning disabled, the same reward minus its clone terms, the
-   same steps, prompts and trees per prompt;
+2. arm A, clones: GRPO from the warm start; the root may spawn (keyed_sum: it sees the keys
+   only);
+3. arm B, monolithic: GRPO from the same warm start on the same tasks seen through the task
+   source's monolithic view (keyed_sum: the lists printed in the prompt), spawning disabled,
+   the same reward minus its clone terms, the same steps, prompts and trees per prompt;
 4. each arm's held-out reward against its own SFT start, sampled as in training (the
    quantity RL optimises, on tasks it never saw); then the evaluation at matched
    total-token budgets, in distribution and out of distribution: clones (A), monolithic
@@ -29,42 +33,43 @@ context); the total per-tree budget is what the evaluation matches.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import shutil
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from selfcest.budget import Budget
-from selfcest.cli import CONFIG_DIR
+from selfcest.cli import register_schemas
+from selfcest.configure import compose as compose_config
+from selfcest.configure import hydra_app
+from selfcest.eval.evaluate import Method, evaluate
 from selfcest.eval.stats import bootstrap_mean
+from selfcest.experiments.report import write_repro_report
 from selfcest.policy import ClonePolicy
+from selfcest.rewards.base import score_trees
 from selfcest.rollout.backends.base import SamplingParams
-from selfcest.tasks.keyed_sum import inline_view
-from selfcest.train.config import TrainConfig, held_out_splits, load_split
-from selfcest.train.sft import held_out_tasks, warm_start
-from selfcest.train.trainer import GRPOTrainer, build_policy, build_reward
+from selfcest.task import Task
+from selfcest.tasks import TASKS
+from selfcest.train.config import (
+    EvaluationConfig,
+    TrainConfig,
+    held_out_splits,
+    load_split,
+)
+from selfcest.train.setup import (
+    build_policy,
+    build_reward,
+    build_trainer,
+    held_out_tasks,
+    warm_start,
+)
 
-
-@dataclass
-class EvalSettings:
-    """The evaluation sweep (not part of a training config)."""
-
-    budgets: tuple[int, ...] = (128, 256, 512, 1024)  # total generated tokens per task
-    tasks_per_split: int = 100  # held-out tasks per split (in distribution, OOD)
-    sc_samples: int = 4  # k of self-consistency
-    bootstrap: int = 1000  # resamples per confidence interval
-    # Trees per held-out task when measuring each arm's reward at its training temperature.
-    reward_samples: int = 4
-
-
-FULL = EvalSettings()
-QUICK = EvalSettings(budgets=(256, 1024), tasks_per_split=48, bootstrap=200)
+DEFAULT_EXPERIMENT = "cpu_repro"
 
 
 @dataclass
@@ -85,37 +90,28 @@ class HeldOut:
 
 def compose(experiment: str, overrides: list[str]) -> TrainConfig:
     """The training config of ``experiment`` (configs/experiment/<experiment>.yaml)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from selfcest.cli import register_schemas, to_train_config
-
     register_schemas()
-    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-        return to_train_config(hydra_compose("train", overrides=[f"experiment={experiment}", *overrides]))
+    return compose_config("train", [f"experiment={experiment}", *overrides], TrainConfig)
 
 
 def monolithic_view(config: TrainConfig):
-    """How the monolithic arm sees a task: keyed_sum with its lists printed in the prompt
-    (keys alone would leave it nothing to read); any other task as it is."""
-    return inline_view if config.task.name == "keyed_sum" else None
+    """How the monolithic arm sees a task: the task source's monolithic view (keyed_sum: its
+    lists printed in the prompt, where keys alone would leave it nothing to read), or the
+    task as it is."""
+    return TASKS[config.task.name].monolithic_view
 
 
-def _view(config: TrainConfig, tasks: list) -> list:
+def _view(config: TrainConfig, tasks: list[Task]) -> list[Task]:
     view = monolithic_view(config)
     return [view(task) for task in tasks] if view else list(tasks)
 
 
 def monolithic_twin(config: TrainConfig) -> TrainConfig:
-    """Arm B: spawning disabled, the task seen through `monolithic_view`, the clone cost
-    terms off."""
+    """Arm B's config: spawning disabled and the clone cost terms off (its tasks are the same,
+    seen through `monolithic_view`)."""
     twin = copy.deepcopy(config)
     twin.name = f"{config.name}-monolithic"
     twin.rollout.budget.max_depth = 0
-    params = twin.task.params
-    if config.task.name == "keyed_sum":
-        for split in ("train", "ood"):
-            params[split] = {**dict(params.get(split) or {}), "inline": True}
     cost = dict(twin.task.reward_params.get("cost") or {})
     if cost:
         cost.update(clone_length=None, spawn_calls=None, per_clone=0.0)
@@ -123,14 +119,18 @@ def monolithic_twin(config: TrainConfig) -> TrainConfig:
     return twin
 
 
-def train_arm(config: TrainConfig, start: Path, output: Path) -> tuple[ClonePolicy, list[dict]]:
-    """GRPO from the warm-start policy saved at ``start``; the trained policy is saved."""
+def train_arm(config: TrainConfig, start: Path, output: Path, view=None) -> tuple[ClonePolicy, list[dict]]:
+    """GRPO from the warm-start policy saved at ``start``, on the config's tasks seen through
+    ``view`` (None: as they are); the trained policy is saved."""
     config = copy.deepcopy(config)
-    config.model.name = str(start)
-    config.model.gguf_file = None  # the warm start is saved as a plain transformers folder
+    config.warm_start.policy = str(start)  # the shared warm start already happened
     config.trainer.output_dir = str(output)
-    config.warm_start.tasks = {}  # the shared warm start already happened
-    trainer = GRPOTrainer(config)
+    tasks = {}
+    if view is not None:
+        tasks["train_tasks"] = [view(task) for task in load_split(config.task, "train")]
+        if config.trainer.eval_every:
+            tasks["eval_tasks"] = [view(task) for task in load_split(config.task, "eval")]
+    trainer = build_trainer(config, **tasks)
     try:
         history = trainer.train()
     finally:
@@ -143,12 +143,13 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-def run(config: TrainConfig, settings: EvalSettings, log=say, warm_started: Path | None = None) -> dict:
+def run(config: TrainConfig, log=say) -> dict:
     """All five steps; returns the timings and where everything was written.
 
-    ``warm_started``: a policy folder from an earlier run's warm start (``runs/<name>/sft``)
-    to start both arms from instead of running step 1 again.
+    ``warm_start.policy``, when set, is a policy folder from an earlier warm start
+    (``runs/<name>/sft``) that both arms start from instead of running step 1 again.
     """
+    settings = config.eval
     out = Path(config.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -156,6 +157,7 @@ def run(config: TrainConfig, settings: EvalSettings, log=say, warm_started: Path
         torch.set_num_threads(config.trainer.cpu_threads)
 
     start = time.perf_counter()
+    warm_started = config.warm_start.policy
     if warm_started is None:
         policy = build_policy(config)
         steps = config.warm_start.sft.steps
@@ -180,7 +182,7 @@ def run(config: TrainConfig, settings: EvalSettings, log=say, warm_started: Path
 
     mark = time.perf_counter()
     twin = monolithic_twin(config)
-    mono, mono_history = train_arm(twin, out / "sft", out / "monolithic")
+    mono, mono_history = train_arm(twin, out / "sft", out / "monolithic", monolithic_view(config))
     timings["GRPO, monolithic"] = time.perf_counter() - mark
     log(f"arm B (monolithic) done in {timings['GRPO, monolithic']:.0f}s")
 
@@ -201,8 +203,6 @@ def run(config: TrainConfig, settings: EvalSettings, log=say, warm_started: Path
     timings["evaluation"] = time.perf_counter() - mark
     log(f"evaluation done in {timings['evaluation']:.0f}s")
 
-    from selfcest.experiments.report import write_repro_report
-
     timings["total"] = time.perf_counter() - start
     report = write_repro_report(out, config, twin, settings, results, heldout, clones_history,
                                 mono_history, timings)
@@ -210,19 +210,17 @@ def run(config: TrainConfig, settings: EvalSettings, log=say, warm_started: Path
     return {"timings": timings, "report": str(report), "results": results, "heldout": heldout}
 
 
-def evaluation_splits(config: TrainConfig, settings: EvalSettings) -> dict[str, list]:
+def evaluation_splits(config: TrainConfig, settings: EvaluationConfig) -> dict[str, list[Task]]:
     """The first ``tasks_per_split`` tasks of the held-out splits (``task.eval_params``, and
     ``task.ood_params`` when given); neither the warm start nor RL ever sees them."""
     names = {"eval": "in-distribution", "ood": "out-of-distribution"}
-    return {names[split]: load_split(config.task, split)[: settings.tasks_per_split]
-            for split in held_out_splits(config.task)}
+    n = settings.tasks_per_split
+    return {names[split]: load_split(config.task, split)[:n] for split in held_out_splits(config.task)}
 
 
-def held_out(config: TrainConfig, policy: ClonePolicy, tasks: list, settings: EvalSettings) -> HeldOut:
+def held_out(config: TrainConfig, policy: ClonePolicy, tasks: list, settings: EvaluationConfig) -> HeldOut:
     """The policy's reward on held-out tasks as training samples it: same temperature, same
     budget, ``reward_samples`` trees per task (what RL optimises, measured on new tasks)."""
-    from selfcest.rewards.base import score_trees
-
     rollout = config.rollout
     engine = policy.engine(rollout.budget, SamplingParams(rollout.temperature, rollout.top_p, rollout.top_k),
                            seed=config.trainer.seed + 1)
@@ -236,11 +234,9 @@ def held_out(config: TrainConfig, policy: ClonePolicy, tasks: list, settings: Ev
     return HeldOut(reward, accuracy)
 
 
-def evaluate_arms(config: TrainConfig, settings: EvalSettings, sft: ClonePolicy, clones: ClonePolicy,
+def evaluate_arms(config: TrainConfig, settings: EvaluationConfig, sft: ClonePolicy, clones: ClonePolicy,
                   mono: ClonePolicy, out: Path):
     """Every method at every budget on the held-out in-distribution and OOD tasks."""
-    from selfcest.eval.evaluate import Method, evaluate
-
     splits = evaluation_splits(config, settings)
     base: Budget = config.rollout.budget
     view = monolithic_view(config)
@@ -258,34 +254,13 @@ def evaluate_arms(config: TrainConfig, settings: EvalSettings, sft: ClonePolicy,
     reward = build_reward(config)
     return evaluate(None, methods, splits, settings.budgets, reward, out,
                     sampling=SamplingParams(temperature=0), seed=config.trainer.seed,
-                    bootstrap_samples=settings.bootstrap)
+                    bootstrap_samples=settings.bootstrap_samples)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="the CI-sized variant (<experiment>_quick.yaml if present, a small evaluation)")
-    parser.add_argument("--experiment", default="cpu_repro",
-                        help="another configs/experiment/ file to run through the same pipeline")
-    parser.add_argument("--warm-started", type=Path, metavar="DIR",
-                        help="reuse the warm start of an earlier run (its runs/<name>/sft folder)")
-    parser.add_argument("--budgets", type=int, nargs="+", help="evaluation budgets (total tokens per task)")
-    parser.add_argument("--tasks-per-split", type=int, help="held-out tasks per split")
-    parser.add_argument("--sc-samples", type=int, help="k of self-consistency")
-    parser.add_argument("--reward-samples", type=int, help="trees per task for the held-out reward")
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.steps=40")
-    args = parser.parse_args(argv)
-    # --quick means the CI-sized config where one exists (<experiment>_quick.yaml), and the
-    # QUICK evaluation either way.
-    experiment = args.experiment
-    if args.quick and (CONFIG_DIR / "experiment" / f"{experiment}_quick.yaml").exists():
-        experiment = f"{experiment}_quick"
-    config = compose(experiment, args.overrides)
-    settings = QUICK if args.quick else FULL
-    changes = {"budgets": tuple(args.budgets) if args.budgets else None, "tasks_per_split": args.tasks_per_split,
-               "sc_samples": args.sc_samples, "reward_samples": args.reward_samples}
-    settings = replace(settings, **{key: value for key, value in changes.items() if value is not None})
-    run(config, settings, warm_started=args.warm_started)
+def main() -> None:
+    """The Hydra app: ``experiment=`` defaults to cpu_repro."""
+    register_schemas()
+    hydra_app("train", TrainConfig, run, program="python -m selfcest.experiments.cpu_repro", defaults=[f"experiment={DEFAULT_EXPERIMENT}"])
 
 
 if __name__ == "__main__":

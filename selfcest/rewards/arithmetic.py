@@ -28,7 +28,7 @@ from selfcest.protocol import extract_answer
 from selfcest.rewards.base import TaskScore
 from selfcest.rewards.compose import ComposedReward
 from selfcest.rewards.cost import CostConfig
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 
 _NUMBER = re.compile(r"(?<![\w.])([-−]?)(\d[\d,]*)(\.\d+)?")
 # Above this many bits of |A - B| / sqrt(...), log2(2 + x) equals log2(x) to float precision.

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tree import CloneTree
 
 

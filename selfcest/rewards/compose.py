@@ -25,7 +25,7 @@ from typing import Any
 from selfcest.protocol import ANSWER_MARKER
 from selfcest.rewards.base import RewardResult, TaskScorer, final_turn_text
 from selfcest.rewards.cost import CostConfig, cost_terms, shape
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tree import CloneTree
 
 # The reference's format threshold: a clone may think this many tokens without an answer.

@@ -41,7 +41,7 @@ from selfcest.protocol import ANSWER_MARKER
 from selfcest.rewards.base import TaskScore
 from selfcest.rewards.compose import ComposedReward
 from selfcest.rewards.cost import MATH_REFERENCE_COST, CostConfig
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tasks.math import last_boxed
 
 logger = logging.getLogger(__name__)

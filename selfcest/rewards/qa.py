@@ -26,7 +26,7 @@ from selfcest.protocol import extract_answer
 from selfcest.rewards.base import TaskScore
 from selfcest.rewards.compose import ComposedReward
 from selfcest.rewards.cost import CostConfig
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from selfcest.rewards.base import RewardFn, RewardResult, load_reward
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tree import CloneTree
 
 

@@ -29,7 +29,7 @@ from selfcest.protocol import (
     resolve_keys,
 )
 from selfcest.rollout.backends.base import Backend, Completion, SamplingParams
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tree import CloneTree, Node, Segment, Spawn
 
 

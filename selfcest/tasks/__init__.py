@@ -24,9 +24,10 @@ mix        sources: a list, or a mapping of names, of {name, params, repeat (1)}
 `check_params` checks a source's arguments against its loader's signature (unknown or
 missing arguments, types, paths that do not exist) before anything is generated or read.
 
-The loaders of each source import lazily: the synthetic tasks use `selfcest.protocol`
-(which itself imports `selfcest.tasks.base`, so an eager import here would be circular), and
-reasoning-gym and pyarrow are only needed by the sources that read them.
+Each source is a `TaskSource` (its loader, and the hooks experiments use, such as how a
+monolithic twin sees its tasks); sources with a scripted warm-start teacher keep it in a
+module beside them (`TEACHERS`). reasoning-gym and pyarrow, optional, are imported only by
+the sources that read them.
 """
 
 from __future__ import annotations
@@ -34,98 +35,23 @@ from __future__ import annotations
 import inspect
 import types
 import typing
-from dataclasses import replace
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from selfcest.tasks.base import Task
+from selfcest.task import Task
+from selfcest.tasks.arithmetic import load_arithmetic
+from selfcest.tasks.chain_sum_teacher import ChainSumTeacher
+from selfcest.tasks.gym import load_gym
 from selfcest.tasks.io import MalformedRowError, load_jsonl, write_jsonl
+from selfcest.tasks.keyed_sum import inline_view, load_keyed_sum
+from selfcest.tasks.keyed_sum_teacher import KeyedSumTeacher
+from selfcest.tasks.math import load_aime_split, load_math_hard
+from selfcest.tasks.multihop import load_2wiki, load_musique
 
-__all__ = ["Task", "MalformedRowError", "load_jsonl", "write_jsonl", "load_tasks", "TASKS"]
-
-
-def _config(cls: type, value: Any) -> Any:
-    """A config dataclass from an instance, a mapping of its fields (Hydra), or None."""
-    if value is None or isinstance(value, cls):
-        return value
-    if isinstance(value, Mapping):
-        return cls(**value)
-    raise TypeError(f"expected {cls.__name__} or a mapping of its fields, got {value!r}")
-
-
-def _keyed_sum(
-    split: str = "train",
-    seed: int = 0,
-    n_train: int = 1000,
-    n_test: int = 200,
-    n_ood: int = 200,
-    train: Any = None,
-    ood: Any = None,
-) -> list[Task]:
-    from selfcest.tasks.keyed_sum import KeyedSumConfig, keyed_sum_splits
-
-    splits = keyed_sum_splits(
-        seed, _config(KeyedSumConfig, train), _config(KeyedSumConfig, ood), n_train, n_test, n_ood
-    )
-    return splits[split]
-
-
-def _arithmetic(
-    split: str = "train",
-    seed: int = 0,
-    n_train: int = 900,
-    n_test: int = 100,
-    n_ood: int = 0,
-    train: Any = None,
-    ood: Any = None,
-) -> list[Task]:
-    from selfcest.tasks.arithmetic import ArithmeticConfig, arithmetic_splits
-
-    splits = arithmetic_splits(
-        seed, _config(ArithmeticConfig, train), _config(ArithmeticConfig, ood),
-        n_train, n_test, n_ood,
-    )
-    return splits[split]
-
-
-def _aime(
-    path: str | Path, split: str = "train", test_fraction: float = 0.1, seed: int = 42
-) -> list[Task]:
-    from selfcest.tasks.math import aime_splits
-
-    return aime_splits(path, test_fraction, seed)[split]
-
-
-def _math_hard(root: str | Path, split: str) -> list[Task]:
-    from selfcest.tasks.math import load_math_hard
-
-    return load_math_hard(root, split)
-
-
-def _2wiki(path: str | Path) -> list[Task]:
-    from selfcest.tasks.multihop import load_2wiki
-
-    return load_2wiki(path)
-
-
-def _musique(path: str | Path) -> list[Task]:
-    from selfcest.tasks.multihop import load_musique
-
-    return load_musique(path)
-
-
-# reasoning-gym datasets are procedural, with no splits: a split is a far-apart seed range
-# (entry i of a dataset is drawn with seed + i).
-_GYM_SPLIT_SEEDS = {"train": 0, "test": 1_000_000, "ood": 2_000_000}
-
-
-def _gym(dataset: str, size: int, seed: int = 0, split: str = "train", **config: Any) -> list[Task]:
-    from selfcest.tasks.gym import gym_tasks
-
-    if split not in _GYM_SPLIT_SEEDS:
-        raise ValueError(f"gym split must be one of {', '.join(_GYM_SPLIT_SEEDS)}, got {split!r}")
-    return gym_tasks(dataset, size, seed + _GYM_SPLIT_SEEDS[split], **config)
+__all__ = ["Task", "TaskSource", "MalformedRowError", "load_jsonl", "write_jsonl", "load_tasks",
+           "check_params", "TASKS", "TEACHERS"]
 
 
 def _mix(sources: list[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]]) -> list[Task]:
@@ -151,17 +77,37 @@ def _mix_sources(sources: Any, key: str) -> list[tuple[Any, Mapping[str, Any]]]:
     return pairs
 
 
-TASKS: dict[str, Callable[..., list[Task]]] = {
-    "keyed_sum": _keyed_sum,
-    "arithmetic": _arithmetic,
-    "jsonl": load_jsonl,
-    "aime": _aime,
-    "math_hard": _math_hard,
-    "2wiki": _2wiki,
-    "musique": _musique,
-    "gym": _gym,
-    "mix": _mix,
+@dataclass(frozen=True)
+class TaskSource:
+    """One kind of task: its loader, and what experiments need to know of it."""
+
+    # Loader: keyword arguments (the config's task.params) -> tasks.
+    load: Callable[..., list[Task]]
+    # How a monolithic solver sees one of these tasks, with everything it needs in its own
+    # prompt (keyed_sum: the lists printed inline); None: as the clone arm sees it.
+    monolithic_view: Callable[[Task], Task] | None = None
+    # What the clone arm's root sees, in a sentence for reports ("" if nothing to say).
+    clone_view: str = ""
+
+
+TASKS: dict[str, TaskSource] = {
+    "keyed_sum": TaskSource(
+        load_keyed_sum, monolithic_view=inline_view,
+        clone_view="the clone arm's root sees the keys only and reads a list through a clone; "
+                   "the monolithic twin gets the lists printed in its prompt"),
+    "arithmetic": TaskSource(load_arithmetic),
+    "jsonl": TaskSource(load_jsonl),
+    "aime": TaskSource(load_aime_split),
+    "math_hard": TaskSource(load_math_hard),
+    "2wiki": TaskSource(load_2wiki),
+    "musique": TaskSource(load_musique),
+    "gym": TaskSource(load_gym),
+    "mix": TaskSource(_mix),
 }
+
+# Scripted teachers that write warm-start demonstrations, by the name a warm_start config
+# gives (`selfcest.train.traces.demonstrations`).
+TEACHERS: dict[str, type] = {"keyed_sum": KeyedSumTeacher, "chain_sum": ChainSumTeacher}
 
 
 def load_tasks(name: str, /, **kwargs: Any) -> list[Task]:
@@ -174,7 +120,7 @@ def load_tasks(name: str, /, **kwargs: Any) -> list[Task]:
         check_params(name, kwargs)
     except ValueError as error:
         raise ValueError(f"load_tasks({name!r}): {error}") from None
-    return TASKS[name](**kwargs)
+    return TASKS[name].load(**kwargs)
 
 
 def check_params(name: str, params: Mapping[str, Any], key: Callable[[str], str] = str) -> None:
@@ -189,8 +135,9 @@ def check_params(name: str, params: Mapping[str, Any], key: Callable[[str], str]
     """
     if name not in TASKS:
         raise ValueError(f"unknown task source {name!r}; known: {', '.join(TASKS)}")
-    parameters = inspect.signature(TASKS[name]).parameters
-    hints = typing.get_type_hints(TASKS[name])
+    loader = TASKS[name].load
+    parameters = inspect.signature(loader).parameters
+    hints = typing.get_type_hints(loader)
     named = {arg: p for arg, p in parameters.items() if p.kind is not p.VAR_KEYWORD}
     for arg in params:  # first: a misspelt argument explains a missing one
         if arg not in named and len(named) == len(parameters):  # no **kwargs to take it

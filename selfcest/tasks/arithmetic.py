@@ -30,8 +30,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from selfcest.tasks.base import Task
-from selfcest.tasks.splits import TaskSplits, draw_distinct
+from selfcest.task import Task
+from selfcest.tasks.splits import TaskSplits, config_of, draw_distinct
 
 SOURCE = "arithmetic"
 PROMPT = "Calculate the value of {expression}."
@@ -260,3 +260,21 @@ def arithmetic_splits(
         test=tasks(in_dist[n_train:], "test"),
         ood=tasks(out_dist, "ood"),
     )
+
+
+def load_arithmetic(
+    split: str = "train",
+    seed: int = 0,
+    n_train: int = 900,
+    n_test: int = 100,
+    n_ood: int = 0,
+    train: Any = None,
+    ood: Any = None,
+) -> list[Task]:
+    """The ``split`` ("train", "test" or "ood") of `arithmetic_splits`; ``train`` / ``ood``
+    are `ArithmeticConfig`s or mappings of their fields (the task source ``arithmetic``)."""
+    splits = arithmetic_splits(
+        seed, config_of(ArithmeticConfig, train), config_of(ArithmeticConfig, ood),
+        n_train, n_test, n_ood,
+    )
+    return splits[split]

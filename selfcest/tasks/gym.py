@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 
 SOURCE_PREFIX = "gym/"
 
@@ -55,3 +55,16 @@ def gym_tasks(name: str, size: int, seed: int = 0, **config: Any) -> list[Task]:
             )
         )
     return tasks
+
+
+# reasoning-gym datasets are procedural, with no splits: a split is a far-apart seed range
+# (entry i of a dataset is drawn with seed + i).
+GYM_SPLIT_SEEDS = {"train": 0, "test": 1_000_000, "ood": 2_000_000}
+
+
+def load_gym(dataset: str, size: int, seed: int = 0, split: str = "train", **config: Any) -> list[Task]:
+    """``size`` tasks of ``split`` ("train", "test" or "ood": seeds a million apart) of the
+    reasoning-gym ``dataset`` (the task source ``gym``)."""
+    if split not in GYM_SPLIT_SEEDS:
+        raise ValueError(f"gym split must be one of {', '.join(GYM_SPLIT_SEEDS)}, got {split!r}")
+    return gym_tasks(dataset, size, seed + GYM_SPLIT_SEEDS[split], **config)

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 
 
 class MalformedRowError(ValueError):

@@ -30,9 +30,8 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from selfcest.protocol import context_block
-from selfcest.tasks.base import Task
-from selfcest.tasks.splits import TaskSplits, draw_distinct
+from selfcest.task import Task, context_block
+from selfcest.tasks.splits import TaskSplits, config_of, draw_distinct
 
 SOURCE = "keyed_sum"
 # A key must be referable as ``@KEY`` by the token protocol, so the prefix is a plain name.
@@ -168,3 +167,20 @@ def inline_view(task: Task) -> Task:
         return task
     lists = [[int(v) for v in task.context[key].split()] for key in config.keys()]
     return keyed_sum_task(lists, replace(config, inline=True), task.id)
+
+
+def load_keyed_sum(
+    split: str = "train",
+    seed: int = 0,
+    n_train: int = 1000,
+    n_test: int = 200,
+    n_ood: int = 200,
+    train: Any = None,
+    ood: Any = None,
+) -> list[Task]:
+    """The ``split`` ("train", "test" or "ood") of `keyed_sum_splits`; ``train`` / ``ood`` are
+    `KeyedSumConfig`s or mappings of their fields (the task source ``keyed_sum``)."""
+    splits = keyed_sum_splits(
+        seed, config_of(KeyedSumConfig, train), config_of(KeyedSumConfig, ood), n_train, n_test, n_ood
+    )
+    return splits[split]

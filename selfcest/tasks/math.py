@@ -23,7 +23,7 @@ import csv
 import re
 from pathlib import Path
 
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tasks.io import MalformedRowError, read_records, row_problem
 from selfcest.tasks.splits import TaskSplits, random_split
 
@@ -183,3 +183,10 @@ def math_hard_splits(root: str | Path, skipped: list[str] | None = None) -> Task
         train=load_math_hard(root, "train", skipped),
         test=load_math_hard(root, "test", skipped),
     )
+
+
+def load_aime_split(
+    path: str | Path, split: str = "train", test_fraction: float = 0.1, seed: int = 42
+) -> list[Task]:
+    """The ``split`` ("train" or "test") of `aime_splits` (the task source ``aime``)."""
+    return aime_splits(path, test_fraction, seed)[split]

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tasks.io import MalformedRowError, read_records, row_problem
 
 TWOWIKI_SOURCE = "2wiki"

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 
 T = TypeVar("T")
 
@@ -75,3 +75,13 @@ def random_split(items: Sequence[T], test_fraction: float, seed: int) -> tuple[l
     train = [item for i, item in enumerate(items) if i not in test_idx]
     test = [item for i, item in enumerate(items) if i in test_idx]
     return train, test
+
+
+def config_of(cls: type, value: Any) -> Any:
+    """A generator's config dataclass from an instance, a mapping of its fields (Hydra), or
+    None (the generator's default)."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        return cls(**value)
+    raise TypeError(f"expected {cls.__name__} or a mapping of its fields, got {value!r}")

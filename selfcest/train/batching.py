@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from selfcest.algo.advantages import Advantages
-from selfcest.algo.losses import token_logprobs
 from selfcest.tree import CloneTree
 
 
@@ -248,13 +247,3 @@ def collate(
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     token_weights = loss_mask * torch.tensor(weights, dtype=torch.float32)[:, None]
     return MicroBatch(input_ids, attention_mask, loss_mask, old_logprobs, advantages, token_weights)
-
-
-def forward_logprobs(model, batch: MicroBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input-aligned logprobs of ``batch``'s tokens under ``model``'s logits / temperature,
-    and those tempered logits. Position ids come from the attention mask, so every row sees
-    the positions it had when it was sampled alone."""
-    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits
-    logits = logits / temperature
-    return token_logprobs(logits, batch.input_ids), logits

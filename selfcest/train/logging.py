@@ -11,7 +11,33 @@ import math
 from pathlib import Path
 from typing import Any
 
+from selfcest.rewards.base import reward_components
 from selfcest.tree import CloneTree
+
+
+def tree_metrics(tree: CloneTree) -> dict[str, float]:
+    """What a step logs of one scored tree (averaged over trees): reward and accuracy, token
+    costs, tree shape, spawn errors, truncation, and the reward's components and diagnostics."""
+    costs = tree.costs()
+    return {
+        "reward/mean": tree.reward or 0.0,
+        "accuracy": float(bool(tree.correct)),
+        "cost/generated_tokens": costs.generated_tokens,
+        "cost/root_generated_tokens": costs.root_generated_tokens,
+        "cost/clone_generated_tokens": costs.clone_generated_tokens,
+        "cost/critical_path_tokens": costs.critical_path_tokens,
+        "cost/context_tokens": costs.context_tokens,
+        "cost/peak_context": costs.peak_context,
+        "cost/discarded_tokens": costs.discarded_tokens,
+        "tree/clones": costs.clones,
+        "tree/depth": costs.depth,
+        "tree/spawn_calls": sum(len(n.spawns) for n in tree.nodes.values()),
+        "tree/spawn_errors": costs.spawn_errors,
+        "tree/spawn_error_rate": costs.spawn_errors / max(1, costs.clones + costs.spawn_errors),
+        "tree/truncated": float(any(n.finish_reason == "budget" for n in tree.nodes.values())),
+        "tree/errors": float(tree.root.finish_reason == "error"),
+        **reward_components(tree),
+    }
 
 
 class RunLogger:
@@ -35,13 +61,13 @@ class RunLogger:
         (self.output_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
         self._wandb = None
         if wandb_mode != "disabled":
-            import wandb
+            import wandb  # seconds to import: only runs that log to W&B pay for it
 
             self._wandb = wandb.init(project=wandb_project, name=run_name, config=config,
                                      mode=wandb_mode, dir=str(self.output_dir), resume="allow")
         self._tensorboard = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard
 
             self._tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"))
 

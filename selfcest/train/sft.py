@@ -5,35 +5,30 @@ loss on the tokens the node itself "sampled" (its own turns) and none on the pro
 injected returns and notices. The same code warm-starts a tiny model from scratch or a
 pretrained one on a protocol it has not seen.
 
-For the tiny models of the CPU experiment, optimizer steps matter more than tokens per
-step: the skills a demonstration teaches (reading the k-th number of a list, adding a digit
-to a running total) appear after a few hundred updates, whatever the batch (measured: 2000
-steps of 16 sequences beat 500 steps of 64), so the defaults take many small steps.
+The defaults take many small steps, which is what the tiny models of the CPU reproduction
+need (``docs/cpu_reproduction.md``, "The warm start").
 """
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from selfcest.algo.advantages import Advantages
-from selfcest.policy import ClonePolicy
+from selfcest.configure import require, setting
+from selfcest.policy import ClonePolicy, forward_logprobs
 from selfcest.train.batching import (
     MicroBatch,
     TrainingSample,
     collate,
-    forward_logprobs,
     make_micro_batches,
     samples_from_trees,
 )
 from selfcest.train.schedule import lr_lambda
-from selfcest.tasks.base import Task
 from selfcest.tree import CloneTree
 
 
@@ -41,33 +36,28 @@ from selfcest.tree import CloneTree
 class SFTConfig:
     """Supervised training settings; batch units are sequences (one per node) and tokens."""
 
-    # Optimizer steps.
-    steps: int = 1500
-    # Sequences per optimizer step, drawn without replacement (reshuffled every epoch).
-    sequences_per_step: int = 16
-    # Padded tokens one micro-batch may hold (gradients accumulate over micro-batches).
-    tokens_per_micro_batch: int = 8192
-    # AdamW peak learning rate; linear warmup over `warmup_steps`, then cosine decay to
-    # `final_lr_fraction` of the peak at the last step.
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    final_lr_fraction: float = 0.1
-    weight_decay: float = 0.0
-    # Gradient-norm clip (0 = off).
-    max_grad_norm: float = 1.0
-    # Times each node that spawned clones appears per epoch (1 = as often as any node).
-    # Those nodes do the rarest job of a tree, adding their clones' answers; leaves, which
-    # outnumber them, learn their job long before.
-    spawner_repeats: int = 1
-    # Seed of the sequence order.
-    seed: int = 0
+    steps: int = setting(1500, help="optimizer steps")
+    sequences_per_step: int = setting(16, help="sequences per optimizer step, drawn without replacement (reshuffled every epoch)")
+    tokens_per_micro_batch: int = setting(8192, help="padded tokens one micro-batch may hold (gradients accumulate over micro-batches)")
+    lr: float = setting(3e-3, help="AdamW peak learning rate: linear warmup, then cosine decay to final_lr_fraction of it")
+    warmup_steps: int = setting(20, help="linear warmup, in optimizer steps")
+    final_lr_fraction: float = setting(0.1, help="the learning rate at the last step, as a fraction of the peak")
+    weight_decay: float = setting(0.0, help="AdamW weight decay")
+    max_grad_norm: float = setting(1.0, help="gradient-norm clip (0 = off)")
+    spawner_repeats: int = setting(1, help=(
+        "times each node that spawned clones appears per epoch (1 = as often as any node): those "
+        "nodes do the rarest job of a tree, adding their clones' answers"))
+    seed: int = setting(0, help="seed of the sequence order")
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
         for name in ("steps", "sequences_per_step", "tokens_per_micro_batch", "spawner_repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.final_lr_fraction <= 1:
-            raise ValueError("sft.lr must be > 0, warmup_steps >= 0, final_lr_fraction in [0, 1]")
+            require(getattr(self, name) >= 1, name, f"must be >= 1; got {getattr(self, name)}")
+        require(self.lr > 0, "lr", f"must be > 0; got {self.lr}")
+        require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0; got {self.warmup_steps}")
+        require(0 <= self.final_lr_fraction <= 1, "final_lr_fraction", f"must be in [0, 1]; got {self.final_lr_fraction}")
 
 
 def sft_samples(trees: Sequence[CloneTree], spawner_repeats: int = 1) -> list[TrainingSample]:
@@ -88,7 +78,7 @@ def sft_samples(trees: Sequence[CloneTree], spawner_repeats: int = 1) -> list[Tr
 def sft_loss(model, batch: MicroBatch) -> torch.Tensor:
     """Negative log-likelihood of the sampled tokens, weighted by ``batch.token_weights``
     (zero on prompt, return, notice and padding tokens, so those never get a gradient)."""
-    return -(forward_logprobs(model, batch)[0] * batch.token_weights).sum()
+    return -(forward_logprobs(model, batch.input_ids, batch.attention_mask)[0] * batch.token_weights).sum()
 
 
 def train_sft(
@@ -143,57 +133,3 @@ def train_sft(
             log(step + 1, metrics)
     model.eval()
     return history
-
-
-def warm_start(
-    policy: ClonePolicy,
-    config,
-    exclude: Sequence[Task] = (),
-    log: Callable[[int, dict[str, float]], None] | None = None,
-) -> list[dict[str, float]]:
-    """Build the demonstrations the ``warm_start`` section of a `TrainConfig` describes
-    (leaving out any task of ``exclude``) and fit ``policy`` to them; returns per-step
-    metrics."""
-    from selfcest.train.traces import demonstrations
-
-    section = config.warm_start
-    trees = demonstrations(section.tasks, section.teacher, section.teacher_params, policy.protocol,
-                           section.budget or config.rollout.budget, exclude)
-    return train_sft(policy, trees, section.sft, log=log)
-
-
-def logged_warm_start(policy: ClonePolicy, config, folder: Path) -> list[dict[str, float]]:
-    """`warm_start` leaving out the config's held-out tasks, with its loss curve written to
-    ``folder/sft.jsonl`` (one JSON line per step); returns the per-step metrics."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "sft.jsonl", "w") as log:
-        return warm_start(policy, config, held_out_tasks(config),
-                          log=lambda step, m: log.write(json.dumps({"step": step, **m}) + "\n"))
-
-
-def run_warm_start(config) -> Path:
-    """``selfcest-sft``: validate a `TrainConfig`, warm-start its model as its ``warm_start``
-    section says (leaving out its evaluation tasks), and save the policy and the loss curve
-    (``sft.jsonl``) under ``<trainer.output_dir>/sft``; returns that folder."""
-    from selfcest.train.config import ConfigError, validate
-    from selfcest.train.trainer import build_policy
-
-    validate(config)
-    if not config.warm_start.tasks:
-        raise ConfigError("warm_start.tasks is empty: give a task source for the teacher to demonstrate")
-    out = Path(config.trainer.output_dir) / "sft"
-    if config.trainer.cpu_threads:
-        torch.set_num_threads(config.trainer.cpu_threads)
-    policy = build_policy(config)
-    logged_warm_start(policy, config, out)
-    policy.save_pretrained(out)
-    return out
-
-
-def held_out_tasks(config) -> list[Task]:
-    """A `TrainConfig`'s held-out tasks, which a warm start must not demonstrate: its
-    evaluation split (``task.params`` updated by ``task.eval_params``; none when that is empty,
-    as the evaluation then reads the training split) and its OOD split (``task.ood_params``)."""
-    from selfcest.train.config import held_out_splits, load_split  # config imports this module
-
-    return [held for split in held_out_splits(config.task) for held in load_split(config.task, split)]

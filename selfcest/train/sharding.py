@@ -21,8 +21,13 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator, DistributedType
+from peft.tuners.trainable_tokens import TrainableTokensLayer
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 
-from selfcest.train.config import ConfigError
+from selfcest.configure import ConfigError
 
 
 def check_supported(accelerator: Accelerator) -> None:
@@ -56,8 +61,6 @@ def check_model(model) -> None:
     `selfcest.policy.apply_lora` adds when the protocol brought new tokens) wraps the tied
     embedding twice, and accelerate's FSDP2 preparation then shards that weight twice.
     """
-    from peft.tuners.trainable_tokens import TrainableTokensLayer
-
     if any(isinstance(module, TrainableTokensLayer) for module in model.modules()):
         raise ConfigError(
             "model.lora with new protocol tokens (their embedding rows train through peft's "
@@ -79,7 +82,5 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     (FSDP2 keeps them), so the result loads into a plain copy of the model with
     ``load_state_dict``.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 

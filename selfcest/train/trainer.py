@@ -35,39 +35,39 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from tqdm.auto import tqdm
 
-from selfcest.algo.advantages import COUNTERFACTUAL_KEY, compute_advantages
-from selfcest.algo.losses import (
-    aggregation_weights,
-    combine_stats,
-    per_token_loss,
-    token_entropy,
-)
-from selfcest.policy import SIZES, ClonePolicy
-from selfcest.rewards.base import RewardFn, load_reward, progress_summary, reward_components, score_trees
+from selfcest.algo.advantages import compute_advantages
+from selfcest.algo.credit import CREDIT
+from selfcest.algo.losses import combine_stats, per_token_loss, token_entropy
+from selfcest.policy import ClonePolicy, forward_logprobs
+from selfcest.rewards.base import RewardFn, progress_summary, score_trees
 from selfcest.rollout.backends.base import SamplingParams
+from selfcest.rollout.backends.hf import HFBackend
+from selfcest.rollout.backends.vllm import VLLMBackend
 from selfcest.rollout.engine import RolloutEngine
-from selfcest.tasks.base import Task
+from selfcest.rollout.node_rollout import FollowerBackend, Placement, rollout_on_node
+from selfcest.task import Task
 from selfcest.train.batching import (
     TrainingSample,
     collate,
-    forward_logprobs,
     make_micro_batches,
     padding_fraction,
     samples_from_trees,
     split_for_optimizer_steps,
 )
-from selfcest.train.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
-from selfcest.train.config import SMOLLM2, ConfigError, TrainConfig, load_split, validate
-from selfcest.train.logging import RunLogger
+from selfcest.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from selfcest.train.config import TrainConfig
+from selfcest.train.distributed import (
+    gather,
+    global_weights,
+    mean_over_processes,
+    sum_over_processes,
+)
+from selfcest.train.logging import RunLogger, tree_metrics
 from selfcest.train.schedule import lr_lambda
-from selfcest.train.node_rollout import FollowerBackend, Placement, rollout_on_node
-from selfcest.train.sharding import check_model, check_supported, full_weights, is_sharded
-from selfcest.train.sft import logged_warm_start
+from selfcest.train.sharding import full_weights, is_sharded
 from selfcest.tree import CloneTree
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TaskSampler:
@@ -93,80 +93,34 @@ class TaskSampler:
         return picked
 
 
-def build_policy(config: TrainConfig) -> ClonePolicy:
-    """The policy a config describes: a built-in tiny size or a model folder."""
-    model = config.model
-    if model.name in SIZES:
-        policy = ClonePolicy.build_tiny(seed=model.init_seed, size=model.name, protocol=model.protocol,
-                                        root_system=model.root_system, clone_system=model.clone_system)
-        if model.lora is not None:
-            from selfcest.policy import apply_lora
-
-            required = list(policy.protocol.required_tokens)
-            policy.model = apply_lora(policy.model, model.lora, policy.tokenizer.convert_tokens_to_ids(required))
-        return policy
-    if model.name == SMOLLM2:
-        return ClonePolicy.from_smollm2(protocol=model.protocol, lora=model.lora, dtype=DTYPES[model.dtype],
-                                        root_system=model.root_system, clone_system=model.clone_system)
-    kwargs = {"gguf_file": model.gguf_file} if model.gguf_file else {}
-    return ClonePolicy.from_pretrained(
-        model.name, protocol=model.protocol, lora=model.lora, dtype=DTYPES[model.dtype],
-        root_system=model.root_system, clone_system=model.clone_system, **kwargs,
-    )
-
-
-def build_reward(config: TrainConfig) -> RewardFn:
-    """The reward named by ``task.reward`` (a factory is called with ``task.reward_params``)."""
-    try:
-        return load_reward(config.task.reward, config.task.reward_params)
-    except ValueError as error:
-        raise ConfigError(f"task.reward: {error}") from None
-
-
 class GRPOTrainer:
     """Trains a `ClonePolicy` on clone trees with group-relative advantages (see module doc)."""
 
     def __init__(
         self,
         config: TrainConfig,
-        policy: ClonePolicy | None = None,
-        train_tasks: Sequence[Task] | None = None,
-        eval_tasks: Sequence[Task] | None = None,
-        reward_fn: RewardFn | None = None,
+        accelerator: Accelerator,
+        policy: ClonePolicy,
+        train_tasks: Sequence[Task],
+        reward_fn: RewardFn,
+        *,
+        eval_tasks: Sequence[Task] = (),
         backend=None,
+        resume_from: Path | None = None,
     ) -> None:
-        validate(config)
-        self.config = config
+        """Parts built by `selfcest.train.setup.build_trainer` (use that): the config (already
+        validated), the accelerator, the (warm-started) policy, the tasks, the reward, an
+        optional backend to roll out with, and the checkpoint to resume from."""
+        self.config, self.accelerator = config, accelerator
+        acc = accelerator
         trainer = config.trainer
-        # Everything that can fail on a bad config fails here, before any model is built.
-        self.reward_fn = reward_fn or build_reward(config)
-        task = config.task
-        self.train_tasks = list(train_tasks) if train_tasks is not None else load_split(task, "train")
-        if eval_tasks is None and trainer.eval_every:
-            eval_tasks = load_split(task, "eval")
-        self.eval_tasks = list(eval_tasks or [])[: task.eval_size]
-        resume_from = resolve_resume(trainer.resume, trainer.output_dir)
-
-        if trainer.cpu_threads:
-            torch.set_num_threads(trainer.cpu_threads)
-        # cpu=True on machines without CUDA: without it, two CPU processes each think they
-        # are alone and never synchronise gradients.
-        self.accelerator = acc = Accelerator(cpu=not torch.cuda.is_available())
-        check_supported(acc)
-        # Seeded global RNGs (dropout, any library sampling): a run's result must not depend
-        # on what the process did before it. A resume restores the checkpoint's states.
-        set_seed(trainer.seed, device_specific=True)
+        self.train_tasks, self.eval_tasks, self.reward_fn = list(train_tasks), list(eval_tasks), reward_fn
         self.sharded = is_sharded(acc)
         # Where rollouts happen: in every process, or on each node's first (node_rollout.py).
         self.placement = None
         if config.rollout.engine_per_node:
             self.placement = Placement.of(acc.process_index, acc.num_processes)
-        policy = policy or build_policy(config)
         model = policy.model
-        if self.sharded:
-            check_model(model)
-        if resume_from is None and config.warm_start.tasks:
-            self._warm_start(policy)
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         device = acc.device
@@ -178,8 +132,6 @@ class GRPOTrainer:
             self.rollout_model = copy.deepcopy(model).to(device).eval().requires_grad_(False)
         self.policy = ClonePolicy(self.rollout_model, policy.tokenizer, policy.protocol)
         self.backend = backend or self._build_backend()
-        if backend is not None and config.warm_start.tasks and resume_from is None:
-            self.backend.sync_weights(self.rollout_model)  # it was built before the warm start
         self._follow_leader_version()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=trainer.lr,
                                       betas=tuple(trainer.betas), weight_decay=trainer.weight_decay)
@@ -207,11 +159,6 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _warm_start(self, policy: ClonePolicy) -> None:
-        """Supervised warm start on teacher demonstrations, before sharding and the first
-        step. Every process runs it identically (same data, same seed), so they agree."""
-        logged_warm_start(policy, self.config, Path(self.config.trainer.output_dir))
-
     @property
     def _unwrapped(self):
         """The training model without its DDP wrapper (under FSDP: the sharded model)."""
@@ -222,11 +169,7 @@ class GRPOTrainer:
         if self.placement is not None and not self.placement.is_leader:
             return FollowerBackend()
         if rollout.backend == "vllm":
-            from selfcest.rollout.backends.vllm import VLLMBackend
-
-            return VLLMBackend.from_policy(self.policy, **rollout.vllm)
-        from selfcest.rollout.backends.hf import HFBackend
-
+            return VLLMBackend.from_policy(self.policy, **asdict(rollout.vllm))
         return HFBackend(self.rollout_model, self.policy.tokenizer.pad_token_id, rollout.max_batch_size)
 
     def _publish_weights(self) -> None:
@@ -239,7 +182,7 @@ class GRPOTrainer:
     def _follow_leader_version(self) -> None:
         """With an engine per node, take the weight version the node's engine serves."""
         if self.placement is not None:
-            self.backend.weight_version = self._gather(self.backend.weight_version)[self.placement.leader]
+            self.backend.weight_version = gather(self.accelerator, self.backend.weight_version)[self.placement.leader]
 
     def _rollout(self, tasks: Sequence[Task], samples_per_task: int, engine: RolloutEngine) -> list[CloneTree]:
         """This process's trees for its share of the step's ``tasks`` (prompt i goes to
@@ -256,10 +199,12 @@ class GRPOTrainer:
             return None
         return copy.deepcopy(model).to(device).eval().requires_grad_(False)
 
-    def engine(self, seed: int, budget=None) -> RolloutEngine:
+    def engine(self, seed: int, sampling: SamplingParams | None = None) -> RolloutEngine:
+        """A rollout engine on this trainer's backend, budget and call timeout; sampling as in
+        training unless ``sampling`` is given."""
         rollout = self.config.rollout
-        sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.top_k)
-        return RolloutEngine(self.backend, self.policy.protocol, budget or rollout.budget, sampling,
+        sampling = sampling or SamplingParams(rollout.temperature, rollout.top_p, rollout.top_k)
+        return RolloutEngine(self.backend, self.policy.protocol, rollout.budget, sampling,
                              seed=seed, call_timeout_s=rollout.call_timeout_s)
 
     def _step_seed(self, step: int) -> int:
@@ -274,8 +219,6 @@ class GRPOTrainer:
         history = []
         progress = None
         if self.accelerator.is_main_process and self.config.log.progress:
-            from tqdm.auto import tqdm
-
             progress = tqdm(total=trainer.steps, initial=self.state.step, desc=self.config.name)
         try:
             while self.state.step < trainer.steps:
@@ -306,8 +249,10 @@ class GRPOTrainer:
         mark = time.perf_counter()
         by_id = {t.id: t for t in local}
         score_trees(trees, by_id, self.reward_fn)
-        if self.config.algo.credit.strategy == "counterfactual":
-            self._counterfactual(trees, by_id)
+        credit = self.config.algo.credit
+        if CREDIT[credit.strategy].prepare is not None:  # e.g. counterfactual re-runs
+            rerun_engine = self.engine(self._step_seed(self.state.step) ^ 0x5EED)
+            CREDIT[credit.strategy].prepare(trees, by_id, rerun_engine, self.reward_fn, credit)
         timings["time/scoring"] = time.perf_counter() - mark
 
         mark = time.perf_counter()
@@ -324,7 +269,7 @@ class GRPOTrainer:
         timings["time/step"] = time.perf_counter() - start
         metrics.update(self._tree_metrics(trees))
         metrics.update(timings)
-        generated = self._sum_over_processes({"n": sum(t.costs().generated_tokens for t in trees)})["n"]
+        generated = sum_over_processes(self.accelerator, {"n": sum(t.costs().generated_tokens for t in trees)})["n"]
         metrics["throughput/rollout_tokens_per_s"] = generated / max(timings["time/rollout"], 1e-9)
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         if trainer.eval_every and self.state.step % trainer.eval_every == 0 and self.eval_tasks:
@@ -340,8 +285,8 @@ class GRPOTrainer:
         advantages = compute_advantages(trees, config.algo.credit)
         samples = samples_from_trees(trees, advantages)
         samples, stale = self._handle_stale(samples)
-        metrics = self._mean_over_processes(advantages.metrics)
-        metrics["samples/stale_refused"] = self._sum_over_processes({"n": stale})["n"]
+        metrics = mean_over_processes(self.accelerator, advantages.metrics)
+        metrics["samples/stale_refused"] = sum_over_processes(self.accelerator, {"n": stale})["n"]
         metrics.update(self._update(samples))
         return metrics
 
@@ -371,8 +316,8 @@ class GRPOTrainer:
         self.model.train()
         for step_batches in plan:
             members = [i for batch in step_batches for i in batch]
-            weights, total = self._global_weights([trainable[i] for i in members],
-                                                  [tree_ids[i] for i in members])
+            weights, total = global_weights(acc, [trainable[i] for i in members],
+                                            [tree_ids[i] for i in members], self.config.algo.loss.aggregation)
             if total == 0:
                 # No process has a token to learn from: skip the update entirely (an AdamW
                 # step on zero gradients would still move the weights by its momentum).
@@ -382,7 +327,7 @@ class GRPOTrainer:
             if self.sharded:
                 # Every forward and backward is a collective under FSDP: all processes run as
                 # many micro-batches, the ones with fewer padded with empty ones.
-                batches += [[]] * (max(self._gather(len(batches))) - len(batches))
+                batches += [[]] * (max(gather(acc, len(batches))) - len(batches))
             for j, batch in enumerate(batches):
                 sync = j == len(batches) - 1
                 with contextlib.nullcontext() if sync else acc.no_sync(self.model):
@@ -400,33 +345,17 @@ class GRPOTrainer:
         elapsed = time.perf_counter() - start
         counted = [s for s in stats if s["tokens"]]
         local = {f"loss/{k}": v for k, v in combine_stats(counted).items() if k != "tokens"} if counted else {}
-        metrics = self._mean_over_processes(local)
-        metrics.update(self._sum_over_processes({
+        metrics = mean_over_processes(self.accelerator, local)
+        metrics.update(sum_over_processes(self.accelerator, {
             "train/samples": len(samples),
             "train/trainable_tokens": sum(trainable),
             "train/micro_batches": len(micro),
             "throughput/train_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
         }))
-        metrics.update(self._mean_over_processes({"train/padding_frac": padding_fraction(lengths, micro)}))
+        metrics.update(mean_over_processes(self.accelerator, {"train/padding_frac": padding_fraction(lengths, micro)}))
         metrics["train/optimizer_steps"] = updates
         metrics["train/grad_norm"] = statistics.fmean(grad_norms) if grad_norms else 0.0
         return metrics
-
-    def _global_weights(self, counts: list[int], tree_ids: list[int]) -> tuple[list[float], int]:
-        """Aggregation weights over one optimizer step's samples of every process, and the
-        step's total trainable tokens. This process's share of the weights is returned, scaled
-        by the world size because DDP averages gradients over processes."""
-        acc = self.accelerator
-        mode = self.config.algo.loss.aggregation
-        if acc.num_processes == 1:
-            return aggregation_weights(counts, tree_ids, mode), sum(counts)
-        everyone = gather_object([(counts, tree_ids)])
-        all_counts = [c for part, _ in everyone for c in part]
-        all_ids = [t for _, part in everyone for t in part]
-        weights = aggregation_weights(all_counts, all_ids, mode)
-        offset = sum(len(part) for part, _ in everyone[: acc.process_index])
-        mine = [w * acc.num_processes for w in weights[offset : offset + len(counts)]]
-        return mine, sum(all_counts)
 
     @torch.no_grad()
     def _proximal_logprobs(self, samples: list[TrainingSample], micro: list[list[int]]) -> list[torch.Tensor]:
@@ -446,7 +375,7 @@ class GRPOTrainer:
     def _logprobs(self, model, mb) -> tuple[torch.Tensor, torch.Tensor]:
         """Input-aligned logprobs of the sampling distribution (logits / temperature), and
         the tempered logits."""
-        return forward_logprobs(model, mb, self.config.rollout.temperature or 1.0)
+        return forward_logprobs(model, mb.input_ids, mb.attention_mask, self.config.rollout.temperature or 1.0)
 
     def _backward(self, batch: list[TrainingSample], weights: list[float], proximal) -> dict[str, float]:
         loss_config = self.config.algo.loss
@@ -480,72 +409,26 @@ class GRPOTrainer:
         with self.rollout_model.disable_adapter():
             return self._logprobs(self.rollout_model, mb)[0]
 
-    # ------------------------------------------------------------------ counterfactual credit
-
-    def _counterfactual(self, trees: Sequence[CloneTree], tasks: dict[str, Task]) -> None:
-        """For each depth-1 clone: mean reward of K re-runs of the root's continuation with
-        that clone's answer replaced by a null result (stored in tree.info)."""
-        k = self.config.algo.counterfactual_samples
-        engine = self.engine(self._step_seed(self.state.step) ^ 0x5EED)
-        for tree in trees:
-            task = tasks[tree.task_id]
-            values = {}
-            for clone_id in tree.root.children:
-                reruns = engine.rerun_without(tree, task, clone_id, samples=k)
-                score_trees(reruns, {task.id: task}, self.reward_fn)
-                values[clone_id] = statistics.fmean(t.reward for t in reruns)
-            for node in tree.clones():
-                ancestor = ".".join(node.id.split(".")[:2])
-                if node.depth > 1:
-                    values[node.id] = values[ancestor]
-            tree.info[COUNTERFACTUAL_KEY] = values
-
     # ------------------------------------------------------------------ evaluation and logs
 
     def evaluate(self, tasks: Sequence[Task] | None = None) -> dict[str, float]:
         """Greedy rollouts of the held-out tasks: mean reward, accuracy and costs."""
         tasks = list(tasks if tasks is not None else self.eval_tasks)
         local = tasks[self.accelerator.process_index :: self.accelerator.num_processes]
-        rollout = self.config.rollout
-        engine = RolloutEngine(self.backend, self.policy.protocol, rollout.budget,
-                               SamplingParams(temperature=0), seed=self.config.trainer.seed)
+        engine = self.engine(self.config.trainer.seed, SamplingParams(temperature=0))
         trees = self._rollout(tasks, 1, engine)
         score_trees(trees, local, self.reward_fn)
         return {f"eval/{k}": v for k, v in self._tree_metrics(trees).items()}
 
     def _tree_metrics(self, trees: Sequence[CloneTree]) -> dict[str, float]:
-        rows = []
-        for tree in trees:
-            costs = tree.costs()
-            calls = sum(len(n.spawns) for n in tree.nodes.values())
-            rows.append({
-                "reward/mean": tree.reward or 0.0,
-                "accuracy": float(bool(tree.correct)),
-                "cost/generated_tokens": costs.generated_tokens,
-                "cost/root_generated_tokens": costs.root_generated_tokens,
-                "cost/clone_generated_tokens": costs.clone_generated_tokens,
-                "cost/critical_path_tokens": costs.critical_path_tokens,
-                "cost/context_tokens": costs.context_tokens,
-                "cost/peak_context": costs.peak_context,
-                "tree/clones": costs.clones,
-                "tree/depth": costs.depth,
-                "tree/spawn_calls": calls,
-                "tree/spawn_errors": costs.spawn_errors,
-                "tree/spawn_error_rate": costs.spawn_errors / max(1, costs.clones + costs.spawn_errors),
-                "tree/truncated": float(any(n.finish_reason == "budget" for n in tree.nodes.values())),
-                "tree/errors": float(tree.root.finish_reason == "error"),
-                "cost/discarded_tokens": costs.discarded_tokens,
-                **reward_components(tree),
-            })
-        everything = [row for part in self._gather(rows) for row in part]
+        """`tree_metrics` of every tree of every process, averaged; a key a tree does not
+        report counts 0 for it (a reward diagnostic not raised), so each is a rate."""
+        everything = [row for part in gather(self.accelerator, [tree_metrics(t) for t in trees]) for row in part]
         if not everything:
             return {}
-        # A reward component a tree does not report counts 0 for it (a diagnostic flag that
-        # was not raised), so each key is a rate over all trees.
         keys = sorted({key for row in everything for key in row})
         metrics = {key: statistics.fmean(r.get(key, 0.0) for r in everything) for key in keys}
-        rewards = [r["reward/mean"] for r in everything]
-        metrics["reward/std"] = statistics.pstdev(rewards)
+        metrics["reward/std"] = statistics.pstdev(r["reward/mean"] for r in everything)
         return metrics
 
     def _log(self, metrics: dict[str, float], trees: Sequence[CloneTree]) -> None:
@@ -568,21 +451,3 @@ class GRPOTrainer:
         self.backend.close()
         if self.logger is not None:
             self.logger.close()
-
-    # ------------------------------------------------------------------ cross-process helpers
-
-    def _gather(self, value) -> list:
-        """``value`` of every process, in rank order (one collective call)."""
-        if self.accelerator.num_processes == 1:
-            return [value]
-        return gather_object([value])
-
-    def _sum_over_processes(self, values: dict[str, float]) -> dict[str, float]:
-        parts = self._gather(values)
-        return {k: float(sum(p.get(k, 0.0) for p in parts)) for k in values}
-
-    def _mean_over_processes(self, values: dict[str, float]) -> dict[str, float]:
-        """Per key, the mean over the processes that report it (one collective call)."""
-        parts = self._gather(values)
-        keys = sorted({k for p in parts for k in p})
-        return {k: statistics.fmean(p[k] for p in parts if k in p) for k in keys}

@@ -232,13 +232,13 @@ def test_combine_stats_is_token_weighted():
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
-        ({"clip_low": 1.0}, "loss.clip_low"),
-        ({"clip_high": -0.1}, "loss.clip_high"),
-        ({"dual_clip": 1.0}, "loss.dual_clip"),
-        ({"kl_estimator": "k1"}, "loss.kl_estimator"),
-        ({"aggregation": "sum"}, "loss.aggregation"),
-        ({"max_importance_ratio": 0.5}, "loss.max_importance_ratio"),
-        ({"kl_coef": "high"}, "loss.kl_coef"),
+        ({"clip_low": 1.0}, "^clip_low "),
+        ({"clip_high": -0.1}, "^clip_high "),
+        ({"dual_clip": 1.0}, "^dual_clip "),
+        ({"kl_estimator": "k1"}, "^kl_estimator "),
+        ({"aggregation": "sum"}, "^aggregation "),
+        ({"max_importance_ratio": 0.5}, "^max_importance_ratio "),
+        ({"kl_coef": "high"}, "^kl_coef "),
     ],
 )
 def test_config_errors_name_the_key(kwargs, key):

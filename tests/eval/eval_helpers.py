@@ -14,7 +14,7 @@ from selfcest.rewards.base import RewardResult
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.rollout.engine import RolloutEngine
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tree import CloneTree
 
 

@@ -11,7 +11,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from eval_helpers import ScriptedPolicy, delegation_script, exact_match, inline_view, keyed_tasks
+from eval_helpers import (
+    ScriptedPolicy,
+    delegation_script,
+    exact_match,
+    inline_view,
+    keyed_tasks,
+)
 from matplotlib.image import imread
 
 from selfcest.budget import Budget
@@ -25,7 +31,7 @@ from selfcest.eval import (
     read_trees,
     run_evaluation,
 )
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 
 BASE = Budget(node_generation=64, tree_generation=64, node_context=512)
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from selfcest.experiments.cpu_repro import QUICK, compose, run
+from selfcest.experiments.cpu_repro import compose, run
 
 # The clone arm's held-out reward gain in the quick variant, measured from one warm start
 # with three RL seeds (trainer.seed=0,1,2): +0.160, +0.128, +0.158, so a run-to-run standard
@@ -18,7 +18,7 @@ MARGIN = 3 * 0.018
 @pytest.mark.slow
 def test_quick_reproduction_learns_and_reports(tmp_path):
     config = compose("cpu_repro_quick", [f"trainer.output_dir={tmp_path}", "log.progress=false"])
-    outcome = run(config, QUICK, log=lambda message: None)
+    outcome = run(config, log=lambda message: None)
 
     clones = json.loads((tmp_path / "heldout.json").read_text())["clones"]
     assert clones["difference"] > MARGIN, clones  # RL with clones raised the held-out reward

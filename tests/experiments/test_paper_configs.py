@@ -6,15 +6,17 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from helpers import fill_missing
 from hydra import compose, initialize_config_dir
 
-from helpers import fill_missing
 from selfcest.algo.advantages import compute_advantages
-from selfcest.cli import CONFIG_DIR, register_schemas, to_train_config
+from selfcest.cli import register_schemas
+from selfcest.configure import CONFIG_DIR, build
 from selfcest.rewards.base import score_trees
 from selfcest.tasks import Task, write_jsonl
-from selfcest.train.config import load_split
-from selfcest.train.trainer import TaskSampler, build_reward
+from selfcest.train.config import TrainConfig, load_split
+from selfcest.train.setup import build_reward
+from selfcest.train.trainer import TaskSampler
 from selfcest.tree import CloneTree, Node, Segment, Spawn
 
 register_schemas()
@@ -39,7 +41,7 @@ def paper_config(experiment: str, data, *overrides: str):
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"experiment={experiment}", *overrides])
     fill_missing(cfg, str(data))
-    return to_train_config(cfg)
+    return build(TrainConfig, cfg)
 
 
 def sampled(text: str) -> Segment:

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dataset_sources import write_downloads
 from helpers import script_main
-from selfcest.cli import CONFIG_DIR
+
+from selfcest.configure import CONFIG_DIR
 from selfcest.policy import ClonePolicy
 
 REPO = Path(__file__).resolve().parents[2]

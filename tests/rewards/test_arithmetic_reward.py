@@ -9,7 +9,7 @@ from selfcest.rewards.arithmetic import (
     closeness_credit,
     last_integer,
 )
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from reward_tree_builders import node, returned, said, single_turn, tree_of
 from selfcest.rewards.base import TaskScore
 from selfcest.rewards.compose import make_reward, malformed_clones
 from selfcest.rewards.cost import CostConfig
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tree import Spawn
 
 TASK = Task("t", "q", "7")

@@ -13,7 +13,7 @@ from selfcest.rewards.math import math_reward
 from selfcest.rewards.qa import qa_reward
 from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.rollout.engine import RolloutEngine
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 
 # End-of-sequence conventions: ChatML (Qwen), Llama-2 / Mistral, Gemma, Llama-3.
 EOS_STYLES = ["<|im_end|>", "</s>", "<eos>", "<|eot_id|>"]

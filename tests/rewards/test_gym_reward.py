@@ -4,7 +4,7 @@ import pytest
 from reward_tree_builders import single_turn
 
 from selfcest.rewards.gym import gym_reward
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tasks.gym import gym_tasks
 
 

@@ -5,8 +5,14 @@ import pytest
 from reward_tree_builders import node, returned, said, single_turn, tree_of
 
 from selfcest.rewards.base import final_turn_text
-from selfcest.rewards.math import MathScorer, MathVerifier, as_integer, math_answer, math_reward
-from selfcest.tasks.base import Task
+from selfcest.rewards.math import (
+    MathScorer,
+    MathVerifier,
+    as_integer,
+    math_answer,
+    math_reward,
+)
+from selfcest.task import Task
 from selfcest.tree import Spawn
 
 

@@ -1,8 +1,14 @@
 import pytest
 from reward_tree_builders import single_turn
 
-from selfcest.rewards.qa import QAScorer, exact_match, normalize_answer, qa_reward, token_f1
-from selfcest.tasks.base import Task
+from selfcest.rewards.qa import (
+    QAScorer,
+    exact_match,
+    normalize_answer,
+    qa_reward,
+    token_f1,
+)
+from selfcest.task import Task
 
 
 def task(answer, aliases=None):

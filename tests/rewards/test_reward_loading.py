@@ -6,7 +6,7 @@ from reward_tree_builders import single_turn
 from selfcest.rewards.arithmetic import IntegerScorer
 from selfcest.rewards.base import RewardResult, load_reward, score_trees
 from selfcest.rewards.compose import ComposedReward
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 
 USER_REWARDS = '''
 from selfcest.rewards.base import RewardResult

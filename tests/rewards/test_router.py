@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from selfcest.rewards.router import routed_reward
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tree import CloneTree, Node, Segment
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from selfcest.budget import Budget
-from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.protocol import TokenProtocol, ToolCallProtocol
+from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.rollout.engine import RolloutEngine
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 
 CONTEXT = {"L1": "1 2", "L2": "3 4", "L3": "5"}
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.tasks.gym import gym_tasks
 
 

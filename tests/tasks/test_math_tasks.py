@@ -4,7 +4,13 @@ import json
 import pytest
 
 from selfcest.tasks.io import MalformedRowError
-from selfcest.tasks.math import aime_splits, last_boxed, load_aime, load_math_hard, math_hard_splits
+from selfcest.tasks.math import (
+    aime_splits,
+    last_boxed,
+    load_aime,
+    load_math_hard,
+    math_hard_splits,
+)
 
 
 @pytest.mark.parametrize(

@@ -4,11 +4,16 @@ import csv
 import json
 
 import pytest
-
 from dataset_sources import (
-    musique_record, twowiki_record, write_2wiki, write_aime, write_math_hard, write_musique,
+    musique_record,
+    twowiki_record,
+    write_2wiki,
+    write_aime,
+    write_math_hard,
+    write_musique,
 )
 from helpers import script_main as script
+
 from selfcest.tasks import load_jsonl
 from selfcest.tasks.io import MalformedRowError
 

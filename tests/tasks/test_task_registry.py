@@ -2,7 +2,13 @@ import json
 
 import pytest
 
-from selfcest.tasks import MalformedRowError, check_params, load_jsonl, load_tasks, write_jsonl
+from selfcest.tasks import (
+    MalformedRowError,
+    check_params,
+    load_jsonl,
+    load_tasks,
+    write_jsonl,
+)
 from selfcest.tasks.keyed_sum import KeyedSumConfig, keyed_sum_splits
 
 

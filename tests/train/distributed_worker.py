@@ -21,15 +21,21 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, DistributedType, FullyShardedDataParallelPlugin, PartialState
+from accelerate import (
+    Accelerator,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    PartialState,
+)
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from selfcest.budget import Budget
+from selfcest.configure import ConfigError
 from selfcest.policy import ClonePolicy, LoraSettings, apply_lora
 from selfcest.train import trainer as trainer_module
-from selfcest.train.config import ConfigError, TrainConfig
-from selfcest.train.trainer import GRPOTrainer
+from selfcest.train.config import TrainConfig
+from selfcest.train.setup import build_trainer
 
 out, reward, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 
@@ -90,11 +96,11 @@ def main() -> None:
         trainer_module.Accelerator = fsdp_accelerator
     if mode == "fsdp_lora_tokens":
         try:
-            GRPOTrainer(config())
+            build_trainer(config())
         except ConfigError as error:
             (out / f"refused{int(os.environ['RANK'])}.txt").write_text(str(error))
         return
-    trainer = GRPOTrainer(config(), policy=policy())
+    trainer = build_trainer(config(), policy=policy())
     before = full(trainer.policy.model)
     history = trainer.train()
     rank = trainer.accelerator.process_index
@@ -102,14 +108,14 @@ def main() -> None:
     shard = next(trainer.model.parameters())
     trainer.close()
 
-    resumed = GRPOTrainer(config(resume=True), policy=policy())  # from the checkpoint the run just saved
+    resumed = build_trainer(config(resume=True), policy=policy())  # from the checkpoint the run just saved
     resumed_step = resumed.state.step
     resumed_equal = all(torch.equal(after[n], p) for n, p in full(resumed.policy.model).items())
     resumed.close()
     mismatch = None
     if mode == "ddp":  # a checkpoint that does not fit the model fails on every rank
         try:
-            GRPOTrainer(config(resume=True, lora=True))
+            build_trainer(config(resume=True, lora=True))
         except (ValueError, RuntimeError) as error:
             mismatch = str(error)
 

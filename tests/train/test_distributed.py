@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_trainer import DIGIT_REWARD, small_config
 
 from selfcest.train.checkpoint import list_checkpoints
-from selfcest.train.trainer import GRPOTrainer
-from test_trainer import DIGIT_REWARD, small_config
+from selfcest.train.setup import build_trainer
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
@@ -102,7 +102,7 @@ def test_fsdp_trains_the_weights_ddp_trains(ddp, fsdp_folder):
 def test_a_sharded_checkpoint_resumes_in_one_process(fsdp_folder, tmp_path):
     folder, fsdp = fsdp_folder
     checkpoint = list_checkpoints(folder / "run")[-1]
-    trainer = GRPOTrainer(small_config(tmp_path, steps=2, resume=str(checkpoint)))
+    trainer = build_trainer(small_config(tmp_path, steps=2, resume=str(checkpoint)))
     assert trainer.state.step == 2
     mine = {n: p.detach() for n, p in trainer.policy.model.named_parameters()}
     assert_same(mine, fsdp[0]["weights"])

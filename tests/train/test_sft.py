@@ -6,13 +6,16 @@ import pytest
 import torch
 
 from selfcest.budget import Budget
+from selfcest.configure import ConfigError
 from selfcest.policy import ClonePolicy
 from selfcest.protocol import TokenProtocol
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.tasks.keyed_sum import KeyedSumConfig, keyed_sum_tasks
-from selfcest.train.config import ConfigError, TrainConfig
-from selfcest.train.sft import SFTConfig, held_out_tasks, run_warm_start, sft_samples, train_sft
-from selfcest.train.traces import KeyedSumTeacher, teacher_trees
+from selfcest.tasks.keyed_sum_teacher import KeyedSumTeacher
+from selfcest.train.config import TrainConfig
+from selfcest.train.setup import held_out_tasks, run_warm_start
+from selfcest.train.sft import SFTConfig, sft_samples, train_sft
+from selfcest.train.traces import teacher_trees
 
 BUDGET = Budget(node_generation=128, tree_generation=1024, node_context=512, max_depth=2)
 

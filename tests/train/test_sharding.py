@@ -8,7 +8,7 @@ import pytest
 import yaml
 from accelerate import DistributedType, FullyShardedDataParallelPlugin
 
-from selfcest.train.config import ConfigError
+from selfcest.configure import ConfigError
 from selfcest.train.sharding import check_supported, is_sharded
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Teacher demonstrations: correct, in both styles, built by the real engine and protocol."""
+"""Teacher demonstrations through the real engine: cut ones dropped, held-out tasks left out."""
 
 from __future__ import annotations
 
@@ -7,53 +7,12 @@ import pytest
 from selfcest.budget import Budget
 from selfcest.tasks import load_tasks
 from selfcest.tasks.keyed_sum import KeyedSumConfig, inline_view, keyed_sum_tasks
-from selfcest.train.traces import (
-    KeyedSumTeacher,
-    add_answers,
-    demonstrations,
-    running_sum,
-    split_keys,
-    teacher_trees,
-)
+from selfcest.tasks.keyed_sum_teacher import KeyedSumTeacher
+from selfcest.train.traces import demonstrations, teacher_trees
 
 SHAPE = dict(list_len=3, max_value=3)
 BIG = Budget(node_generation=512, tree_generation=4096, node_context=1024, max_depth=3,
              clones_per_spawn=8, clones_per_tree=32)
-
-
-def test_running_sums_and_splits():
-    assert running_sum([3, 5, 2]) == ("+3=3 +5=8 +2=10", 10)
-    assert split_keys(["L1", "L2", "L3", "L4", "L5"], 2) == [["L1", "L2", "L3"], ["L4", "L5"]]
-    assert split_keys(["L1"], 2) == [["L1"]]
-    assert add_answers(["07", "11"], width=2, answer_width=0) == "+07=07 +11=18\nAnswer: 18<|im_end|>"
-
-
-def test_delegating_demonstrations_halve_the_keys_and_are_right_at_every_node(tiny_policy):
-    tasks = keyed_sum_tasks(30, seed=0, config=KeyedSumConfig(num_keys=6, **SHAPE))
-    trees = teacher_trees(tasks, KeyedSumTeacher(redelegate=0.5), tiny_policy.protocol, BIG)
-    assert len(trees) == 30  # all correct, none dropped
-    depths, leaf_sizes = set(), set()
-    for tree, task in zip(trees, tasks):
-        assert tree.answer == task.answer
-        assert [len(tree.nodes[c].context_keys) for c in tree.root.children] == [3, 3]
-        for node in tree.nodes.values():
-            if node.id == tree.ROOT_ID:
-                continue
-            depths.add(node.id.count("."))
-            if not node.children:
-                leaf_sizes.add(len(node.context_keys))
-            expected = sum(task.metadata["sums"][k] for k in node.context_keys)
-            assert node.answer == f"{expected:02d}"  # clones answer zero-padded to two digits
-    assert depths == {1, 2, 3} and leaf_sizes == {1, 2, 3}  # re-delegation is drawn per clone
-
-
-def test_monolithic_demonstrations_sum_each_list_then_the_totals(tiny_policy):
-    task = inline_view(keyed_sum_tasks(1, seed=4, config=KeyedSumConfig(num_keys=3, **SHAPE))[0])
-    (tree,) = teacher_trees([task], KeyedSumTeacher(), tiny_policy.protocol, BIG)
-    assert list(tree.nodes) == ["0"] and tree.answer == task.answer
-    lines = tree.root.text().splitlines()
-    assert [line.split()[0] for line in lines[:3]] == ["L1", "L2", "L3"]
-    assert lines[3].count("=") == 3  # the three list totals added up
 
 
 def test_a_demonstration_cut_by_its_budget_is_dropped(tiny_policy):
@@ -62,13 +21,6 @@ def test_a_demonstration_cut_by_its_budget_is_dropped(tiny_policy):
     teacher = KeyedSumTeacher(redelegate=1.0)  # 4 keys -> 2 -> 1: depth 2
     assert teacher_trees(tasks, teacher, tiny_policy.protocol, shallow) == []
     assert len(teacher_trees(tasks, teacher, tiny_policy.protocol, shallow, correct_only=False)) == 5
-
-
-def test_the_teacher_refuses_what_it_cannot_demonstrate():
-    with pytest.raises(ValueError, match="branching"):
-        KeyedSumTeacher(branching=(1,))
-    with pytest.raises(ValueError, match="redelegate"):
-        KeyedSumTeacher(redelegate=1.5)
 
 
 def test_demonstrations_from_a_config_leave_held_out_tasks_out(tiny_policy):

@@ -9,20 +9,22 @@ import textwrap
 
 import pytest
 import torch
+from helpers import DEMO_CONTEXT, overfit
 
+from selfcest.algo.advantages import Advantages
+from selfcest.algo.credit import counterfactual_reruns
 from selfcest.budget import Budget
 from selfcest.policy import ClonePolicy, LoraSettings
 from selfcest.protocol import SpawnRequest
-from selfcest.rewards.base import RewardResult, progress_summary
+from selfcest.rewards.base import RewardResult, progress_summary, score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.scripted import ScriptedBackend
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.train.batching import samples_from_trees
 from selfcest.train.config import TrainConfig
 from selfcest.train.logging import read_metrics
-from selfcest.train.trainer import GRPOTrainer, build_policy
-
-from helpers import DEMO_CONTEXT, overfit
+from selfcest.train.setup import build_policy, build_trainer
+from selfcest.train.trainer import GRPOTrainer
 
 DIGIT_REWARD = textwrap.dedent(
     """
@@ -60,7 +62,7 @@ def params_of(model) -> dict[str, torch.Tensor]:
 
 
 def test_two_steps_change_every_trainable_parameter(tmp_path):
-    trainer = GRPOTrainer(small_config(tmp_path, steps=2, lr=1e-2))
+    trainer = build_trainer(small_config(tmp_path, steps=2, lr=1e-2))
     before = params_of(trainer.policy.model)
     history = trainer.train()
     trainer.close()
@@ -75,7 +77,7 @@ def test_two_steps_change_every_trainable_parameter(tmp_path):
 def test_a_few_steps_raise_the_reward_they_are_trained_on(tmp_path):
     """The direction check: GRPO on the digit-share reward raises the digit share of fresh
     samples (a flipped advantage sign lowers it)."""
-    trainer = GRPOTrainer(small_config(tmp_path, steps=6, lr=1e-2, trees_per_prompt=8))
+    trainer = build_trainer(small_config(tmp_path, steps=6, lr=1e-2, trees_per_prompt=8))
     tasks = trainer.train_tasks[:8]
 
     def digit_share() -> float:
@@ -98,7 +100,7 @@ def test_same_seed_same_run_whatever_ran_before(tmp_path):
         policy = dropout_policy(config)
         torch.rand(draws)
         random.random()
-        trainer = GRPOTrainer(config, policy=policy)
+        trainer = build_trainer(config, policy=policy)
         trainer.train()
         trainer.close()
         return params_of(trainer.policy.model)
@@ -110,11 +112,9 @@ def test_same_seed_same_run_whatever_ran_before(tmp_path):
 def test_injected_and_prompt_tokens_get_exactly_zero_gradient(spawning_policy, demo_task, tmp_path):
     """The loss never pulls on the prediction of a token the node did not sample."""
     policy = ClonePolicy(spawning_policy.model, spawning_policy.tokenizer, spawning_policy.protocol)
-    trainer = GRPOTrainer(small_config(tmp_path), policy=policy, train_tasks=[demo_task])
+    trainer = build_trainer(small_config(tmp_path), policy=policy, train_tasks=[demo_task])
     (tree,) = policy.engine(Budget(max_depth=1), SamplingParams(temperature=0)).rollout([demo_task])
     assert any(s.kind == "return" for s in tree.root.segments)
-    from selfcest.algo.advantages import Advantages
-
     (sample,) = [s for s in samples_from_trees([tree], Advantages([{n: 1.0 for n in tree.nodes}], [True], {}))
                  if s.node_id == "0"]
     captured = {}
@@ -161,7 +161,7 @@ def test_credit_reaches_clones(tmp_path):
     # tree has clones and every group ties); 1e-3 over 20 steps lifts 0.22-0.30 to 0.89-0.95.
     config = small_config(tmp_path, steps=20, lr=1e-3, trees_per_prompt=8, prompts_per_step=2)
     config.rollout.budget = Budget(max_depth=1)
-    trainer = GRPOTrainer(config, policy=policy, train_tasks=[task], reward_fn=clone_reward)
+    trainer = build_trainer(config, policy=policy, train_tasks=[task], reward_fn=clone_reward)
     trainer.train()
     trainer.close()
     after = sevens(probe.rollout([task], samples_per_task=64))
@@ -198,7 +198,7 @@ def test_resume_is_bitwise_exact(tmp_path):
         # Lists printed in the prompt: every task reads differently, so the task order
         # (the sampler's resumed position) shows in what is sampled.
         config.task.params["train"] = {"inline": True}
-        return GRPOTrainer(config, policy=dropout_policy(config))
+        return build_trainer(config, policy=dropout_policy(config))
 
     straight = trainer_for("a")
     straight_history = straight.train()
@@ -234,7 +234,7 @@ def test_resume_is_bitwise_exact(tmp_path):
 
 def test_stale_samples_are_refused(tmp_path, spawning_policy, demo_task):
     policy = ClonePolicy(spawning_policy.model, spawning_policy.tokenizer, spawning_policy.protocol)
-    trainer = GRPOTrainer(small_config(tmp_path), policy=policy, train_tasks=[demo_task])
+    trainer = build_trainer(small_config(tmp_path), policy=policy, train_tasks=[demo_task])
     trees = policy.engine(Budget(max_depth=1), SamplingParams()).rollout([demo_task], samples_per_task=4)
     for i, tree in enumerate(trees):
         tree.reward, tree.correct, tree.info["malformed_nodes"] = float(i), False, []
@@ -252,7 +252,7 @@ def test_kept_stale_samples_get_the_truncated_importance_weight(tmp_path, spawni
     policy = ClonePolicy(spawning_policy.model, spawning_policy.tokenizer, spawning_policy.protocol)
     config = small_config(tmp_path)
     config.algo.stale_samples = "correct"
-    trainer = GRPOTrainer(config, policy=policy, train_tasks=[demo_task])
+    trainer = build_trainer(config, policy=policy, train_tasks=[demo_task])
     trees = policy.engine(Budget(max_depth=1), SamplingParams()).rollout([demo_task], samples_per_task=4)
     for i, tree in enumerate(trees):
         tree.reward, tree.correct, tree.info["malformed_nodes"] = float(i), False, []
@@ -275,7 +275,7 @@ def test_reward_diagnostics_reach_the_metrics(tmp_path):
     config.task.reward_params = {"cost": None}
     policy = build_policy(config)
     backend = ScriptedBackend(policy.tokenizer, lambda prompt: "I would rather not say.")
-    trainer = GRPOTrainer(config, policy=policy, backend=backend)
+    trainer = build_trainer(config, policy=policy, backend=backend)
     (metrics,) = trainer.train()
     trainer.close()
     (logged,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -290,19 +290,17 @@ def test_counterfactual_credit_measures_each_clone(tmp_path, spawning_policy, de
     policy = ClonePolicy(spawning_policy.model, spawning_policy.tokenizer, spawning_policy.protocol)
     config = small_config(tmp_path, steps=1)
     config.algo.credit.strategy = "counterfactual"
-    config.algo.counterfactual_samples = 2
+    config.algo.credit.counterfactual_samples = 2
     config.rollout.budget = Budget(max_depth=1)
     config.rollout.temperature = 0.0
 
     def exact(tree, task):
         return RewardResult(score=float(tree.answer == task.answer), correct=tree.answer == task.answer)
 
-    trainer = GRPOTrainer(config, policy=policy, train_tasks=[demo_task], reward_fn=exact)
+    trainer = build_trainer(config, policy=policy, train_tasks=[demo_task], reward_fn=exact)
     trees = trainer.engine(seed=0).rollout([demo_task], samples_per_task=2)
-    from selfcest.rewards.base import score_trees
-
     score_trees(trees, [demo_task], exact)
-    trainer._counterfactual(trees, {demo_task.id: demo_task})
+    counterfactual_reruns(trees, {demo_task.id: demo_task}, trainer.engine(seed=1), exact, config.algo.credit)
     for tree in trees:
         assert tree.reward == 1.0
         assert set(tree.info["counterfactual"]) == {"0.0", "0.1"}
@@ -313,7 +311,7 @@ def test_counterfactual_credit_measures_each_clone(tmp_path, spawning_policy, de
 def test_a_lora_run_trains_every_adapter_and_the_protocol_token_embeddings(tmp_path):
     config = small_config(tmp_path, steps=2, lr=1e-2)
     config.model.lora = LoraSettings(r=4, alpha=8)
-    trainer = GRPOTrainer(config)
+    trainer = build_trainer(config)
     before = params_of(trainer.policy.model)
     trainable = {n for n, p in trainer.policy.model.named_parameters() if p.requires_grad}
     trainer.train()

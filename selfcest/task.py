@@ -1,7 +1,8 @@
-"""The task record every generator and loader produces."""
+"""The task record every generator and loader produces (`selfcest.tasks` has the sources)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,3 +36,9 @@ class Task:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Task:
         return cls(**data)
+
+
+def context_block(keys: Sequence[str], context: Mapping[str, str]) -> str:
+    """The context texts of ``keys``, one ``[key] text`` line each: how a clone reads the
+    context its parent handed it, and how a prompt prints context inline."""
+    return "\n".join(f"[{key}] {context[key]}" for key in keys)

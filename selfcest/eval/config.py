@@ -1,0 +1,55 @@
+"""Typed configuration of ``selfcest-eval`` (Hydra composes it from ``configs/eval.yaml``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from selfcest.budget import Budget
+from selfcest.configure import is_number, require, setting
+from selfcest.eval.evaluate import MethodKind
+from selfcest.train.config import TaskSourceConfig
+
+
+@dataclass
+class MethodConfig:
+    """One way of spending a total-token budget on a task (`selfcest.eval.evaluate.Method`)."""
+
+    name: str = setting(help="label in tables, plots and file names; unique within one evaluation")
+    kind: MethodKind = setting(help="clones, monolithic or self_consistency")
+    samples: int = setting(1, help="k: trees per task, for self_consistency only")
+    budget: dict[str, int] = setting(help="overrides of the base budget's fields for this method", factory=dict)
+    model: str | None = setting(None, help="a policy folder of its own (null: the evaluated policy)")
+
+
+@dataclass
+class EvalConfig:
+    """A saved policy across a budget sweep, against baselines."""
+
+    policy: str = setting(help="folder of a saved policy (ClonePolicy.save_pretrained)")
+    splits: dict[str, TaskSourceConfig] = setting(help=(
+        "split name -> task source, e.g. {id: {name: keyed_sum, params: {split: test}}} or a "
+        "jsonl file"), factory=dict)
+    tasks_per_split: int = setting(0, help="tasks used per split (the first N; 0 = all)")
+    budgets: list[int] = setting(help="total generated tokens per task (Budget.tree_generation) at each point of the sweep",
+                                 factory=lambda: [128, 256, 512])
+    methods: list[MethodConfig] = setting(help="the methods compared", factory=lambda: [
+        MethodConfig("clones", MethodKind.clones), MethodConfig("monolithic", MethodKind.monolithic)])
+    budget: Budget = setting(help="base budget every method starts from", factory=Budget)
+    reward: str = setting("selfcest.rewards.arithmetic:arithmetic_reward", help=(
+        "reward: package.module:function or path/to/file.py:function"))
+    reward_params: dict[str, Any] = setting(help="keyword arguments of the reward factory",
+                                            factory=lambda: {"cost": None})
+    temperature: float = setting(0.0, help="sampling temperature (0 = greedy)")
+    top_p: float = setting(1.0, help="nucleus sampling mass (1 = off)")
+    top_k: int = setting(0, help="top-k sampling (0 = off)")
+    seed: int = setting(0, help="seed of every rollout")
+    bootstrap_samples: int = setting(1000, help="bootstrap resamples of every confidence interval")
+    out_dir: str = setting("runs/eval", help="where results.json/.csv/.md, the Pareto plots and the trees go")
+
+    def check(self) -> None:
+        require(bool(self.splits), "splits", "is empty: give at least one, e.g. splits.id.name=keyed_sum")
+        require(self.tasks_per_split >= 0, "tasks_per_split", f"must be >= 0; got {self.tasks_per_split}")
+        require(bool(self.budgets) and all(is_number(b) and b >= 1 for b in self.budgets), "budgets",
+                f"must be a non-empty list of token counts >= 1; got {self.budgets}")
+        require(bool(self.methods), "methods", "is empty: give at least one method")

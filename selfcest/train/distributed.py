@@ -1,0 +1,65 @@
+"""Cross-process helpers of the trainer: the accelerator, gathers and reductions.
+
+Every helper is one collective call (or none in a single process), so every process must
+call it at the same point of its code.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object, set_seed
+
+from selfcest.algo.losses import aggregation_weights
+from selfcest.train.sharding import check_supported
+
+
+def start_accelerator(seed: int) -> Accelerator:
+    """The run's accelerator, with global RNGs seeded from ``seed`` (plus the process index).
+
+    ``cpu=True`` on machines without CUDA: without it, two CPU processes each think they are
+    alone and never synchronise gradients. Seeding here means a run's result (dropout, any
+    library sampling) does not depend on what the process did before it; a resume restores
+    the checkpoint's RNG states on top. Unsupported distributed setups are refused here,
+    before any compute (`check_supported`).
+    """
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    check_supported(accelerator)
+    set_seed(seed, device_specific=True)
+    return accelerator
+
+
+def gather(accelerator: Accelerator, value: Any) -> list:
+    """``value`` of every process, in rank order."""
+    if accelerator.num_processes == 1:
+        return [value]
+    return gather_object([value])
+
+
+def sum_over_processes(accelerator: Accelerator, values: dict[str, float]) -> dict[str, float]:
+    parts = gather(accelerator, values)
+    return {k: float(sum(p.get(k, 0.0) for p in parts)) for k in values}
+
+
+def mean_over_processes(accelerator: Accelerator, values: dict[str, float]) -> dict[str, float]:
+    """Per key, the mean over the processes that report it."""
+    parts = gather(accelerator, values)
+    keys = sorted({k for p in parts for k in p})
+    return {k: statistics.fmean(p[k] for p in parts if k in p) for k in keys}
+
+
+def global_weights(accelerator: Accelerator, counts: list[int], tree_ids: list[int],
+                   mode: str) -> tuple[list[float], int]:
+    """Aggregation weights (`aggregation_weights`) over one optimizer step's samples of every
+    process, and the step's total trainable tokens. This process's share of the weights is
+    returned, scaled by the world size because DDP averages gradients over processes."""
+    everyone = gather(accelerator, (counts, tree_ids))
+    all_counts = [c for part, _ in everyone for c in part]
+    all_ids = [t for _, part in everyone for t in part]
+    weights = aggregation_weights(all_counts, all_ids, mode)
+    offset = sum(len(part) for part, _ in everyone[: accelerator.process_index])
+    mine = [w * accelerator.num_processes for w in weights[offset : offset + len(counts)]]
+    return mine, sum(all_counts)

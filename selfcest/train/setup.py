@@ -1,0 +1,151 @@
+"""Building a run from its config: policy, reward, tasks, warm start, and the trainer.
+
+This module sits above `selfcest.train.trainer` and `selfcest.train.sft`: `build_trainer`
+turns a `TrainConfig` into a ready `GRPOTrainer` (what ``selfcest-train`` runs), and
+`run_warm_start` is ``selfcest-sft``. Everything a bad config can break fails here, before
+any model is built: validation, the reward import, the task files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from selfcest.configure import ConfigError
+from selfcest.policy import SIZES, ClonePolicy, apply_lora
+from selfcest.rewards.base import RewardFn, load_reward
+from selfcest.task import Task
+from selfcest.train.checkpoint import resolve_resume
+from selfcest.train.config import (
+    SMOLLM2,
+    DType,
+    ProtocolName,
+    TrainConfig,
+    held_out_splits,
+    load_split,
+    validate,
+)
+from selfcest.train.distributed import start_accelerator
+from selfcest.train.sft import train_sft
+from selfcest.train.sharding import check_model, is_sharded
+from selfcest.train.traces import demonstrations
+from selfcest.train.trainer import GRPOTrainer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_policy(config: TrainConfig, name: str | None = None) -> ClonePolicy:
+    """The policy ``config.model`` describes: a built-in tiny size, SmolLM2, or a model folder
+    (``name``, when given, replaces ``model.name``: a saved warm start, say)."""
+    model = config.model
+    name = name or model.name
+    protocol, dtype = ProtocolName(model.protocol).value, DTYPES[DType(model.dtype).value]
+    prompts = {"root_system": model.root_system, "clone_system": model.clone_system}
+    if name in SIZES:
+        policy = ClonePolicy.build_tiny(seed=model.init_seed, size=name, protocol=protocol, **prompts)
+        if model.lora is not None:
+            required = list(policy.protocol.required_tokens)
+            policy.model = apply_lora(policy.model, model.lora, policy.tokenizer.convert_tokens_to_ids(required))
+        return policy
+    if name == SMOLLM2:
+        return ClonePolicy.from_smollm2(protocol=protocol, lora=model.lora, dtype=dtype, **prompts)
+    gguf = {"gguf_file": model.gguf_file} if model.gguf_file and name == model.name else {}
+    return ClonePolicy.from_pretrained(name, protocol=protocol, lora=model.lora, dtype=dtype, **prompts, **gguf)
+
+
+def build_reward(config: TrainConfig) -> RewardFn:
+    """The reward named by ``task.reward`` (a factory is called with ``task.reward_params``)."""
+    try:
+        return load_reward(config.task.reward, config.task.reward_params)
+    except ValueError as error:
+        raise ConfigError(f"task.reward: {error}") from None
+
+
+def held_out_tasks(config: TrainConfig) -> list[Task]:
+    """A config's held-out tasks, which a warm start must not demonstrate: its evaluation split
+    (none when ``task.eval_params`` is empty, as the evaluation then reads the training split)
+    and its OOD split (``task.ood_params``)."""
+    return [held for split in held_out_splits(config.task) for held in load_split(config.task, split)]
+
+
+def warm_start(
+    policy: ClonePolicy,
+    config: TrainConfig,
+    exclude: Sequence[Task] = (),
+    log: Callable[[int, dict[str, float]], None] | None = None,
+) -> list[dict[str, float]]:
+    """Build the demonstrations the ``warm_start`` section describes (leaving out any task of
+    ``exclude``) and fit ``policy`` to them; returns per-step metrics."""
+    section = config.warm_start
+    trees = demonstrations(section.tasks, section.teacher, section.teacher_params, policy.protocol,
+                           section.budget or config.rollout.budget, exclude)
+    return train_sft(policy, trees, section.sft, log=log)
+
+
+def logged_warm_start(policy: ClonePolicy, config: TrainConfig, folder: Path) -> list[dict[str, float]]:
+    """`warm_start` leaving out the config's held-out tasks, with its loss curve written to
+    ``folder/sft.jsonl`` (one JSON line per step); returns the per-step metrics."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "sft.jsonl", "w") as log:
+        return warm_start(policy, config, held_out_tasks(config),
+                          log=lambda step, m: log.write(json.dumps({"step": step, **m}) + "\n"))
+
+
+def run_warm_start(config: TrainConfig) -> Path:
+    """``selfcest-sft``: warm-start the config's model as its ``warm_start`` section says
+    (leaving out its held-out tasks), and save the policy and the loss curve (``sft.jsonl``)
+    under ``<trainer.output_dir>/sft``; returns that folder."""
+    validate(config)
+    if not config.warm_start.tasks:
+        raise ConfigError("warm_start.tasks is empty: give a task source for the teacher to demonstrate")
+    out = Path(config.trainer.output_dir) / "sft"
+    if config.trainer.cpu_threads:
+        torch.set_num_threads(config.trainer.cpu_threads)
+    policy = build_policy(config)
+    logged_warm_start(policy, config, out)
+    policy.save_pretrained(out)
+    return out
+
+
+def build_trainer(
+    config: TrainConfig,
+    *,
+    policy: ClonePolicy | None = None,
+    train_tasks: Sequence[Task] | None = None,
+    eval_tasks: Sequence[Task] | None = None,
+    reward_fn: RewardFn | None = None,
+    backend=None,
+) -> GRPOTrainer:
+    """A `GRPOTrainer` for ``config``, ready to ``train()``.
+
+    Each part given replaces the one the config describes (a policy from a notebook, tasks
+    of your own, a reward function object, a backend). The order: validate; the reward, the
+    tasks and the checkpoint to resume; the accelerator (refusing unsupported distributed
+    setups); the policy (``warm_start.policy`` if set, else ``model``); the warm start, unless
+    resuming or starting from a saved one (every process runs it identically, so they
+    agree); then the trainer.
+    """
+    validate(config)
+    trainer = config.trainer
+    reward_fn = reward_fn or build_reward(config)
+    train_tasks = list(train_tasks) if train_tasks is not None else load_split(config.task, "train")
+    if eval_tasks is None:
+        eval_tasks = load_split(config.task, "eval") if trainer.eval_every else []
+    resume_from = resolve_resume(trainer.resume, trainer.output_dir)
+    if trainer.cpu_threads:
+        torch.set_num_threads(trainer.cpu_threads)
+    accelerator = start_accelerator(trainer.seed)
+    saved = config.warm_start.policy
+    policy = policy or build_policy(config, saved)
+    if is_sharded(accelerator):
+        check_model(policy.model)
+    if resume_from is None and config.warm_start.tasks and saved is None:
+        logged_warm_start(policy, config, Path(trainer.output_dir))
+        if backend is not None:
+            backend.sync_weights(policy.model)  # it was built before the warm start
+    return GRPOTrainer(config, accelerator, policy, train_tasks, reward_fn,
+                       eval_tasks=list(eval_tasks)[: config.task.eval_size], backend=backend,
+                       resume_from=resume_from)

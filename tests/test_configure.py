@@ -1,0 +1,78 @@
+"""Typed configuration: one validation that names the full key, help for every setting."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from selfcest.budget import Budget
+from selfcest.configure import CONFIG_DIR, ConfigError, build, describe, validate
+from selfcest.eval.config import EvalConfig
+from selfcest.train.config import ProtocolName, TrainConfig
+
+
+def test_an_error_inside_a_section_is_named_by_its_own_path():
+    with pytest.raises(ConfigError, match=r"^warm_start\.budget\.node_context must be >= 1"):
+        build(TrainConfig, {"warm_start": {"budget": {"node_context": 0}}})
+    with pytest.raises(ConfigError, match=r"^rollout\.budget\.node_context must be >= 1"):
+        build(TrainConfig, {"rollout": {"budget": {"node_context": 0}}})
+    with pytest.raises(ConfigError, match=r"^algo\.credit\.eps must be a positive"):
+        build(TrainConfig, {"algo": {"credit": {"eps": 0.0}}})
+    with pytest.raises(ConfigError, match=r"^unknown key warm_start\.sft\.stepz"):
+        build(TrainConfig, {"warm_start": {"sft": {"stepz": 3}}})
+
+
+def test_validate_names_the_path_of_a_config_changed_in_python():
+    config = TrainConfig()
+    config.warm_start.budget = Budget()
+    config.warm_start.budget.node_context = 0
+    with pytest.raises(ConfigError, match=r"^warm_start\.budget\.node_context must be >= 1"):
+        validate(config)
+
+
+def test_choices_given_as_strings_become_enum_members_or_fail_with_the_choices():
+    config = TrainConfig()
+    config.model.protocol = "tool"
+    validate(config)
+    assert config.model.protocol is ProtocolName.tool
+    config.model.protocol = "morse"
+    with pytest.raises(ConfigError, match=r"^model\.protocol must be one of token, tool; got 'morse'"):
+        validate(config)
+
+
+def test_cross_section_checks_name_both_keys():
+    config = TrainConfig()
+    config.algo.credit.strategy = "sibling"
+    config.rollout.budget.max_depth = 0
+    with pytest.raises(ConfigError, match=r"algo\.credit\.strategy=sibling needs clones.*max_depth=0"):
+        validate(config)
+
+
+def leaves(kind: type, path: str = ""):
+    hints = typing.get_type_hints(kind)
+    for f in dataclasses.fields(kind):
+        yield f"{path}{f.name}", f
+        inner = [t for t in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(t)]
+        if inner:
+            yield from leaves(inner[0], f"{path}{f.name}.")
+
+
+@pytest.mark.parametrize("kind", [TrainConfig, EvalConfig])
+def test_every_setting_is_declared_with_its_help(kind):
+    missing = [key for key, f in leaves(kind) if not f.metadata.get("help")]
+    assert missing == []
+    lines = describe(kind)
+    assert len(lines) == len(list(leaves(kind)))
+
+
+def test_selfcest_train_help_prints_every_key():
+    result = subprocess.run([sys.executable, "-m", "selfcest.train", "--help"], capture_output=True,
+                            text=True, cwd=CONFIG_DIR.parent, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("selfcest-train [key=value ...]")
+    assert "\nrollout.budget.node_context (int, default 1024): tokens one node's context may hold" in result.stdout
+    assert "\nalgo.loss.aggregation (token_mean | seq_mean_token_mean | tree_mean, default 'tree_mean')" in result.stdout
