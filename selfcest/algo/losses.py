@@ -34,7 +34,7 @@ _LOG_RATIO_CLAMP = 20.0
 
 @dataclass
 class LossConfig:
-    """PPO-clip loss settings; every one of them takes effect (REFERENCE.md §9.1)."""
+    """PPO-clip loss settings; every one of them takes effect (docs/reference.md §9.1)."""
 
     # The ratio is clipped below at 1 - clip_low (binds where the advantage is negative).
     clip_low: float = 0.2
