@@ -7,7 +7,7 @@ the following arithmetic problem: 15 - 43 - 75 + 8 =``), writing turns for
 as SmolLM2-135M-Instruct or ``ClonePolicy.build_tiny(protocol="tool")`` render them. Like
 `selfcest.train.traces.KeyedSumTeacher` it maps a node's prompt text to its next turn; build
 demonstrations with `selfcest.train.traces.teacher_trees` or a ``warm_start`` config section
-(``teacher: chain_sum``, once the name is registered in ``traces.TEACHERS``).
+with ``teacher: chain_sum`` (its name in ``traces.TEACHERS``).
 
 A root that sees an expression of at least ``min_delegate_terms`` terms delegates with
 probability ``delegate``: it cuts the terms into two contiguous halves and spawns one clone
