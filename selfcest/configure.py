@@ -36,6 +36,14 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the fix."""
 
 
+class Choice(str, enum.Enum):
+    """A setting's choices: members are their value as a string (``str()``, f-strings,
+    JSON and comparisons with plain strings all see ``"token"``, not ``Protocol.token``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 def setting(default: Any = dataclasses.MISSING, *, help: str, factory: Callable[[], Any] | None = None):
     """A dataclass field with its help text (``factory`` for mutable defaults)."""
     if factory is not None:

@@ -43,7 +43,7 @@ def reward_ratio(node_reward: float, root_reward: float, clip: float, smoothing:
     ``w = min(c, (|R_n| + d) / (|R_root| + d))`` with ``c = clip`` and ``d = smoothing > 0``.
 
     The paper code uses ``R_n / s(R_root)`` clipped to [-c, c], with
-    ``s(x) = sign(x) * max(|x|, 1e-8)``. That has two traps (REFERENCE.md §2.5, §9.5), each
+    ``s(x) = sign(x) * max(|x|, 1e-8)``. That has two traps (docs/reference.md §2.5, §9.5), each
     avoided here:
 
     - *Sign flip.* When cost penalties push R_root below 0 while R_n stays positive, the

@@ -21,14 +21,13 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
-from selfcest.configure import is_number, require, setting
+from selfcest.configure import Choice, is_number, require, setting
 
 
-class Aggregation(str, Enum):
+class Aggregation(Choice):
     """How a step's token losses are averaged (see `aggregation_weights`)."""
 
     token_mean = "token_mean"  # every trainable token weighs the same
@@ -36,7 +35,7 @@ class Aggregation(str, Enum):
     tree_mean = "tree_mean"  # every tree weighs the same, however many clones it has
 
 
-class KLEstimator(str, Enum):
+class KLEstimator(Choice):
     k2 = "k2"  # (logp - ref)^2 / 2
     k3 = "k3"  # exp(ref - logp) - (ref - logp) - 1: low variance, unbiased, >= 0
 
@@ -50,8 +49,7 @@ _LOG_RATIO_CLAMP = 20.0
 
 @dataclass
 class LossConfig:
-    """PPO-clip loss settings; every one of them takes effect (docs/reference.md on the paper
-    code's clip setting that did not)."""
+    """PPO-clip loss settings; every one of them takes effect (docs/reference.md §9.1)."""
 
     clip_low: float = setting(0.2, help="the ratio is clipped below at 1 - clip_low (binds where the advantage is negative)")
     clip_high: float = setting(0.2, help="the ratio is clipped above at 1 + clip_high (binds where the advantage is positive)")

@@ -21,12 +21,12 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from enum import Enum
 from pathlib import Path
 from statistics import fmean
 from typing import Any, Protocol
 
 from selfcest.budget import Budget
+from selfcest.configure import Choice
 from selfcest.eval.report import write_report
 from selfcest.eval.results import CellResult, EvalResults
 from selfcest.eval.stats import bootstrap_mean
@@ -40,7 +40,7 @@ from selfcest.tree import CloneTree
 
 logger = logging.getLogger(__name__)
 
-class MethodKind(str, Enum):
+class MethodKind(Choice):
     clones = "clones"  # the policy may spawn clones
     monolithic = "monolithic"  # spawning disabled, one sample
     self_consistency = "self_consistency"  # spawning disabled, majority vote over samples

@@ -2,7 +2,9 @@
 
 The verdicts are computed from the evaluation, never written by hand: frontier dominance
 per split and cost metric, and each arm's held-out change over its SFT start with
-bootstrap intervals of the difference (paired over tasks).
+bootstrap intervals of the difference (paired over tasks). This module computes every
+figure and verdict; the wording and layout are the template
+``selfcest/templates/repro_report.md.j2``.
 """
 
 from __future__ import annotations
@@ -11,13 +13,18 @@ import json
 from pathlib import Path
 
 from selfcest.eval.pareto import compare_frontiers
-from selfcest.eval.results import CellResult, EvalResults
+from selfcest.eval.results import EvalResults
 from selfcest.eval.stats import bootstrap_mean
 from selfcest.eval.view import read_trees, render_html
 from selfcest.policy import SIZES
+from selfcest.tasks import TASKS
+from selfcest.templates import environment
 from selfcest.train.config import TrainConfig
 
 CLONES, MONO, CLONES_SFT, MONO_SFT = "clones", "monolithic", "clones (SFT start)", "monolithic (SFT start)"
+
+_ENVIRONMENT = environment(html=False)  # Markdown: text, nothing escaped
+_ENVIRONMENT.filters["json"] = json.dumps
 
 
 def paired_difference(results: EvalResults, out: Path, a: str, b: str, budget: int, split: str,
@@ -52,150 +59,69 @@ def training_curves(histories: dict[str, list[dict]], path: Path) -> Path:
     return path
 
 
-def _fmt_cell(cell: CellResult) -> str:
-    acc = cell.accuracy
-    return (f"accuracy {acc.value:.2f} [{acc.low:.2f}, {acc.high:.2f}], "
-            f"{cell.total_tokens.value:.0f} tokens, critical path {cell.critical_path_tokens.value:.0f}")
-
-
-def _model_line(config: TrainConfig) -> str:
-    if config.model.name in SIZES:
-        return (f"- Model: `{config.model.name}` Qwen2 built locally, random init "
-                f"(seed {config.model.init_seed}); tokenizer trained in memory.")
-    return f"- Model: `{config.model.name}` (pretrained), protocol `{config.model.protocol}`."
-
-
-def _task_line(config: TrainConfig) -> str:
-    task = config.task
-    if task.name == "keyed_sum":
-        return (f"- Task: `keyed_sum` {json.dumps(task.params.get('train'))}; the clone arm's root "
-                f"sees keys only, the monolithic arm reads the lists inline. OOD: "
-                f"{json.dumps(task.params.get('ood'))}.")
-    return (f"- Task: `{task.name}` {json.dumps(task.params)}; both arms see the same prompts. "
-            f"In distribution: {json.dumps(task.eval_params)}; OOD: {json.dumps(task.ood_params)}.")
-
-
 def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settings, results: EvalResults,
                        heldout: dict[str, dict[str, float]], clones_history: list[dict],
                        mono_history: list[dict], timings: dict[str, float]) -> Path:
+    """``report.md`` (the template ``repro_report.md.j2``), with the training curves and a
+    trace page of example clone-arm trees (``eval/trace.html``) beside it.
+
+    Findings are read at the training tree budget, or at the largest evaluated budget when
+    the sweep does not include it."""
     eval_dir = out / "eval"
-    splits = list(results.splits)
     training_budget = config.rollout.budget.tree_generation
     budget = training_budget if training_budget in results.budgets else max(results.budgets)
     curves = training_curves({"clones (A)": clones_history, "monolithic (B)": mono_history},
                              out / "training_curves.png")
+    sc = f"sc@{settings.sc_samples}"
+    text = _ENVIRONMENT.get_template("repro_report.md.j2").render(
+        config=config, twin=twin, settings=settings, results=results, heldout=heldout,
+        timings=timings, training_budget=training_budget, budget=budget, sc=sc,
+        built_locally=config.model.name in SIZES, curves=curves.name,
+        clone_view=TASKS[config.task.name].clone_view,
+        against_start=_against_start(results, eval_dir, budget),
+        dominance=_dominance(results, sc), leads=_leads(results, eval_dir, sc),
+        examples=_examples(config, results, eval_dir, budget),
+        evaluation=(eval_dir / "results.md").read_text().replace("# Evaluation", "", 1).strip(),
+    )
+    report = out / "report.md"
+    report.write_text(text)
+    return report
 
-    lines = [
-        f"# CPU reproduction: {config.name}",
-        "",
-        "Does a small model trained end to end with clones beat its monolithic twin on the "
-        "accuracy-cost Pareto frontier at matched total-token budgets, in distribution and out "
-        "of distribution? Everything below is computed by `selfcest/experiments/cpu_repro.py` "
-        "from this run.",
-        "",
-        "## Setup",
-        "",
-        _model_line(config),
-        _task_line(config),
-        f"- Per-node budgets (both arms): generation {config.rollout.budget.node_generation}, "
-        f"context {config.rollout.budget.node_context} tokens; training tree budget "
-        f"{training_budget} tokens.",
-        f"- Warm start (shared): {config.warm_start.sft.steps} SFT steps on teacher "
-        f"demonstrations of both styles ({json.dumps(config.warm_start.teacher_params)}).",
-        f"- GRPO, each arm: {config.trainer.steps} steps × {config.trainer.prompts_per_step} "
-        f"prompts × {config.trainer.trees_per_prompt} trees, lr {config.trainer.lr}; "
-        f"reward `{config.task.reward}` {json.dumps(config.task.reward_params)} (monolithic: "
-        f"{json.dumps(twin.task.reward_params)}).",
-        f"- Evaluation: budgets {list(results.budgets)} total generated tokens per task, "
-        f"{settings.tasks_per_split} held-out tasks per split, greedy decoding "
-        f"(self-consistency samples at temperature 1); 95% bootstrap intervals.",
-        "",
-        "## Wall time",
-        "",
-        "| phase | seconds |",
-        "| --- | --- |",
-        *[f"| {phase} | {seconds:.0f} |" for phase, seconds in timings.items()],
-        "",
-        "## Findings",
-        "",
-        f"Held-out reward as RL optimises it (training temperature "
-        f"{config.rollout.temperature}, training budget, {settings.reward_samples} samples per "
-        f"task, {settings.tasks_per_split} in-distribution tasks never trained on), after RL "
-        "against the arm's own SFT start, paired over tasks:",
-        "",
-        "| arm | reward after RL | SFT start | difference [95% CI] | accuracy after RL | SFT start |",
-        "| --- | --- | --- | --- | --- | --- |",
-        *[f"| {arm} | {h['reward']:.3f} | {h['start']:.3f} | {h['difference']:+.3f} "
-          f"[{h['low']:+.3f}, {h['high']:+.3f}] | {h['accuracy']:.2f} | {h['start_accuracy']:.2f} |"
-          for arm, h in heldout.items()],
-        "",
-        f"Greedy accuracy at the training budget ({budget} tokens) against the SFT start, "
-        "paired over the same tasks:",
-        "",
-        "| arm | split | after RL | SFT start | difference [95% CI] |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for arm, start in ((CLONES, CLONES_SFT), (MONO, MONO_SFT)):
-        for split in splits:
-            diff, low, high = paired_difference(results, eval_dir, arm, start, budget, split)
-            lines.append(
-                f"| {arm} | {split} | {results.cell(arm, budget, split).accuracy.value:.2f} | "
-                f"{results.cell(start, budget, split).accuracy.value:.2f} | "
-                f"{diff:+.2f} [{low:+.2f}, {high:+.2f}] |")
-    lines += ["", "Frontier dominance (accuracy against cost; see the Pareto plots):", "",
-              "| A | B | split | on total tokens | on critical-path tokens |",
-              "| --- | --- | --- | --- | --- |"]
-    for other in (MONO, f"sc@{settings.sc_samples}"):
+
+def _against_start(results: EvalResults, eval_dir: Path, budget: int) -> list[tuple]:
+    """Per arm and split: accuracy after RL, at the SFT start, and the paired difference."""
+    return [(arm, split, results.cell(arm, budget, split).accuracy.value,
+             results.cell(start, budget, split).accuracy.value,
+             paired_difference(results, eval_dir, arm, start, budget, split))
+            for arm, start in ((CLONES, CLONES_SFT), (MONO, MONO_SFT)) for split in results.splits]
+
+
+def _dominance(results: EvalResults, sc: str) -> list[tuple[str, str, bool, bool]]:
+    """Whether the clone arm's frontier dominates each baseline's, per split, on total and
+    on critical-path tokens."""
+    rows = []
+    for other in (MONO, sc):
         total = compare_frontiers(results, CLONES, other, "total_tokens")
         critical = compare_frontiers(results, CLONES, other, "critical_path_tokens")
-        for split in splits:
-            lines.append(f"| clones | {other} | {split} | {'yes' if total[split] else 'no'} | "
-                         f"{'yes' if critical[split] else 'no'} |")
-    sc = f"sc@{settings.sc_samples}"
-    lines += ["", "Accuracy at each matched total-token budget, and the clone arm's lead over each "
-              "baseline (paired over tasks, 95% CI):", "",
-              f"| split | budget | clones | monolithic | {sc} | clones − monolithic | clones − {sc} |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for split in splits:
-        for each in results.budgets:
-            leads = [paired_difference(results, eval_dir, CLONES, other, each, split) for other in (MONO, sc)]
-            accuracy = [results.cell(m, each, split).accuracy.value for m in (CLONES, MONO, sc)]
-            lines.append(f"| {split} | {each} | " + " | ".join(f"{a:.2f}" for a in accuracy) + " | "
-                         + " | ".join(f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}]" for d, lo, hi in leads) + " |")
-    lines += ["", "At the training budget:", ""]
-    for split in splits:
-        for method in results.methods:
-            lines.append(f"- {split}, {method}: {_fmt_cell(results.cell(method, budget, split))}")
+        rows += [(other, split, total[split], critical[split]) for split in results.splits]
+    return rows
 
-    html = eval_dir / "trace.html"
-    examples = []
-    for split in splits:
-        cell = results.cell(CLONES, budget, split)
-        trees = read_trees(eval_dir / cell.trees_file)
-        examples += trees[:5]
-        lines += ["", f"Example clone-arm tree ({split}, budget {budget}):", "", "```",
-                  trees[0].pretty(160), "```"]
-    html.write_text(render_html(examples, title=f"{config.name}: clone-arm trees"))
-    lines += [
-        "",
-        "## Evidence",
-        "",
-        "- Pareto plots: [total tokens](eval/pareto_total_tokens.png), "
-        "[critical path](eval/pareto_critical_path.png)",
-        f"- Training curves: [{curves.name}]({curves.name}); metrics in "
-        "`clones/metrics.jsonl`, `monolithic/metrics.jsonl`, `sft/sft.jsonl`",
-        "- Every evaluated tree: `eval/trees/*.jsonl` (`selfcest-view FILE -o page.html`); "
-        "a sample: [eval/trace.html](eval/trace.html)",
-        "",
-        "![Pareto, total tokens](eval/pareto_total_tokens.png)",
-        "![Pareto, critical path](eval/pareto_critical_path.png)",
-        f"![Training curves]({curves.name})",
-        "",
-        "## Full evaluation",
-        "",
-        (eval_dir / "results.md").read_text().replace("# Evaluation", "", 1).strip(),
-        "",
-    ]
-    report = out / "report.md"
-    report.write_text("\n".join(lines))
-    return report
+
+def _leads(results: EvalResults, eval_dir: Path, sc: str) -> list[tuple]:
+    """Per split and budget: the three methods' accuracies and the clone arm's paired lead
+    over each baseline."""
+    return [(split, each, *(results.cell(m, each, split).accuracy.value for m in (CLONES, MONO, sc)),
+             *(paired_difference(results, eval_dir, CLONES, other, each, split) for other in (MONO, sc)))
+            for split in results.splits for each in results.budgets]
+
+
+def _examples(config: TrainConfig, results: EvalResults, eval_dir: Path, budget: int) -> list[tuple[str, str]]:
+    """The first clone-arm tree of each split as text, for the report; the first five of each
+    go to ``eval/trace.html``."""
+    examples, shown = [], []
+    for split in results.splits:
+        trees = read_trees(eval_dir / results.cell(CLONES, budget, split).trees_file)
+        examples.append((split, trees[0].pretty(160)))
+        shown += trees[:5]
+    (eval_dir / "trace.html").write_text(render_html(shown, title=f"{config.name}: clone-arm trees"))
+    return examples

@@ -1,4 +1,4 @@
-"""Synthetic big-integer arithmetic, as the paper's generator (REFERENCE.md §5) but seeded.
+"""Synthetic big-integer arithmetic, as the paper's generator (docs/reference.md §5.1) but seeded.
 
 One expression is drawn as follows (every number is a field of `ArithmeticConfig`):
 

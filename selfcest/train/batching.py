@@ -183,8 +183,8 @@ def split_for_optimizer_steps(
     a length-sorted batch, so the halves carry similar tokens; a half never pads more than
     the whole). Then the largest micro-batch goes to the least-loaded step, repeatedly
     (LPT). Only with fewer samples than steps do some steps stay empty, for the trainer to
-    skip. The step count never depends on how many clones the trees spawned (REFERENCE.md
-    §9.17).
+    skip. The step count never depends on how many clones the trees spawned
+    (docs/reference.md §9.17).
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")

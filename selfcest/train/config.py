@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from selfcest.algo.advantages import CREDIT, CreditConfig
 from selfcest.algo.losses import LossConfig
 from selfcest.budget import Budget
-from selfcest.configure import ConfigError, is_number, require, setting
+from selfcest.configure import Choice, ConfigError, is_number, require, setting
 from selfcest.configure import validate as validate_tree
 from selfcest.policy import SIZES, LoraSettings
 from selfcest.rollout.backends.vllm import VLLMConfig
@@ -31,35 +30,35 @@ from selfcest.train.sft import SFTConfig
 SMOLLM2 = "smollm2"
 
 
-class ProtocolName(str, Enum):
+class ProtocolName(Choice):
     token = "token"  # special tokens, for models that learn the protocol by SFT
     tool = "tool"  # Hermes tool calls, for instruct models
 
 
-class DType(str, Enum):
+class DType(Choice):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
 
 
-class BackendName(str, Enum):
+class BackendName(Choice):
     hf = "hf"  # transformers, any machine
     vllm = "vllm"  # pip install 'selfcest[vllm]'
 
 
-class Schedule(str, Enum):
+class Schedule(Choice):
     constant = "constant"
     linear = "linear"
     cosine = "cosine"
 
 
-class WandbMode(str, Enum):
+class WandbMode(Choice):
     disabled = "disabled"
     offline = "offline"
     online = "online"
 
 
-class StaleSamples(str, Enum):
+class StaleSamples(Choice):
     refuse = "refuse"
     correct = "correct"
 

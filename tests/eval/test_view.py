@@ -60,11 +60,25 @@ def test_model_text_is_escaped_everywhere():
     for raw in (SCRIPT, IMG, "<img", "</pre></details></section><script"):
         assert raw not in page
     assert page.count("<script") == 1  # the page's own
-    assert "&lt;script&gt;document.body.setAttribute(&#x27;data-pwned&#x27;" in page
-    assert "onerror=&quot;document.body" in page
+    assert "&lt;script&gt;document.body.setAttribute(&#39;data-pwned&#39;" in page  # autoescape's
+    assert "onerror=&#34;document.body" in page  # spelling of ' and "
     # The hierarchy survives: one <details> per tree and per node, all closed properly.
     assert page.count("<details") == page.count("</details>") == 2 + 3
     assert "\\x06" in page and "\x06" not in page  # control characters shown, not swallowed
+
+
+def test_template_syntax_in_model_text_is_printed_not_run():
+    """Model text is data passed to the template, never compiled as one: Jinja syntax in it
+    comes out as typed, and markup in it as text."""
+    alert, jinja = "<script>alert(1)</script>", "{{ 7*7 }}{% for x in range(3) %}x{% endfor %}"
+    tree = CloneTree(task_id=jinja, task_index=0, sample_index=0, info={"note": jinja})
+    tree.add(Node("0", None, 0, None, [1], segments=[sampled(alert + jinja)], finish_reason="eos",
+                  answer=jinja, error=alert))
+    page = render_html([tree], title=jinja)
+    body = page[page.index("<body>"):]
+    assert body.count(jinja) == 6  # heading, task id, info, segment, answer twice
+    assert body.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 2  # segment, error
+    assert "alert(1)</script>" not in page and ">49<" not in body and "xxx" not in body
 
 
 def test_page_shows_nodes_segments_errors_and_costs():

@@ -36,7 +36,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from selfcest.configure import require, setting
+from selfcest.configure import Choice, require, setting
 from selfcest.policy import forward_logprobs
 from selfcest.rollout.backends.base import Completion, SamplingParams, check_request
 
@@ -56,7 +55,7 @@ INSTALL_HINT = (
 )
 
 
-class WeightSync(str, Enum):
+class WeightSync(Choice):
     """How `VLLMBackend.sync_weights` moves weights."""
 
     auto = "auto"  # tensors when it can
