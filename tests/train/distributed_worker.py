@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor
 from selfcest.budget import Budget
 from selfcest.configure import ConfigError
 from selfcest.policy import ClonePolicy, LoraSettings, apply_lora
-from selfcest.train import trainer as trainer_module
+from selfcest.rollout.backends.vllm import VLLMConfig
+from selfcest.train import distributed as distributed_module
 from selfcest.train.config import TrainConfig
 from selfcest.train.setup import build_trainer
 
@@ -71,7 +72,7 @@ def config(resume: bool = False, lora: bool = "lora" in mode) -> TrainConfig:
     if mode == "node_vllm":
         config.model.name = "small"  # vLLM's CPU attention needs heads of 32
         config.rollout.backend = "vllm"
-        config.rollout.vllm = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True}
+        config.rollout.vllm = VLLMConfig(dtype="float32", max_model_len=512, enforce_eager=True)
     if lora:
         config.model.lora = LoraSettings(r=4, alpha=8)
     return config
@@ -93,7 +94,7 @@ def full(model) -> dict[str, torch.Tensor]:
 def main() -> None:
     torch.set_num_threads(1)
     if mode.startswith("fsdp"):
-        trainer_module.Accelerator = fsdp_accelerator
+        distributed_module.Accelerator = fsdp_accelerator
     if mode == "fsdp_lora_tokens":
         try:
             build_trainer(config())
