@@ -68,6 +68,8 @@ def validate(config: Any, path: str = "") -> None:
     """Run ``check()`` of ``config`` and of every dataclass nested in it (children first), with
     errors prefixed by the path they were found at. A choice given as a string (a config set
     in Python) is turned into its enum member first, or refused with the list of choices."""
+    if dataclasses.is_dataclass(config):
+        _coerce_sections(config, path)
     for name, value in _children(config):
         validate(value, _join(path, name))
     if dataclasses.is_dataclass(config):
@@ -76,6 +78,16 @@ def validate(config: Any, path: str = "") -> None:
     if check is not None:
         with _at(path):
             check()
+
+
+def _coerce_sections(config: Any, path: str) -> None:
+    """A section given as a mapping (``config.warm_start.tasks = {"name": ...}``) is built
+    into its dataclass, as Hydra would build it."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        kind, value = _dataclass_of(hints[f.name]), getattr(config, f.name)
+        if kind is not None and isinstance(value, Mapping):
+            setattr(config, f.name, _build(kind, value, _join(path, f.name)))
 
 
 def _coerce_choices(config: Any, path: str) -> None:

@@ -22,6 +22,7 @@ from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
 from selfcest.tasks import TEACHERS, load_tasks
+from selfcest.train.config import TaskSourceConfig
 from selfcest.tree import CloneTree
 
 Teacher = Callable[[str], str]
@@ -47,7 +48,7 @@ def teacher_trees(
 
 
 def demonstrations(
-    tasks: Mapping[str, Any],
+    tasks: TaskSourceConfig,
     teacher: str,
     teacher_params: Mapping[str, Any],
     protocol: Protocol,
@@ -55,8 +56,7 @@ def demonstrations(
     exclude: Iterable[Task] = (),
 ) -> list[CloneTree]:
     """The warm-start dataset a `WarmStartConfig` describes: the tasks of the source
-    ``tasks`` (``{"name": ..., "params": {...}}``, see `selfcest.tasks.load_tasks`) solved by
-    the named teacher under ``budget``.
+    ``tasks`` (see `selfcest.tasks.load_tasks`) solved by the named teacher under ``budget``.
 
     Tasks that share their identity with one of ``exclude`` (the experiment's held-out
     splits) are left out, so held-out tasks stay held out whichever prompt style shows them.
@@ -68,10 +68,9 @@ def demonstrations(
     if teacher not in TEACHERS:
         raise ValueError(f"unknown teacher {teacher!r}; known: {', '.join(TEACHERS)}")
     held_out = {task_identity(task) for task in exclude}
-    loaded = [task for task in load_tasks(tasks["name"], **dict(tasks.get("params") or {}))
-              if task_identity(task) not in held_out]
+    loaded = [task for task in load_tasks(tasks.name, **tasks.params) if task_identity(task) not in held_out]
     if not loaded:
-        raise ValueError(f"the warm-start task source {dict(tasks)} gave no tasks (after excluding held-out ones)")
+        raise ValueError(f"the warm-start task source {tasks} gave no tasks (after excluding held-out ones)")
     trees = teacher_trees(loaded, TEACHERS[teacher](**dict(teacher_params)), protocol, budget)
     if 2 * len(trees) < len(loaded):
         raise ValueError(

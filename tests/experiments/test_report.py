@@ -11,8 +11,8 @@ from selfcest.eval.report import markdown_report
 from selfcest.eval.results import CellResult, EvalResults
 from selfcest.eval.stats import Estimate
 from selfcest.experiments.cpu_repro import compose, monolithic_twin
-from selfcest.train.config import EvaluationConfig
 from selfcest.experiments.report import write_repro_report
+from selfcest.train.config import EvaluationConfig
 from selfcest.tree import CloneTree, Node, Segment
 
 SPLITS = ("in-distribution", "out-of-distribution")

@@ -77,6 +77,6 @@ def test_the_sft_entry_point_leaves_held_out_tasks_out_and_saves_a_loadable_poli
     out = run_warm_start(config)
     assert len((out / "sft.jsonl").read_text().splitlines()) == 3
     assert isinstance(ClonePolicy.from_pretrained(out).protocol, TokenProtocol)
-    config.warm_start.tasks = {}
+    config.warm_start.tasks = None
     with pytest.raises(ConfigError, match="warm_start.tasks"):
         run_warm_start(config)

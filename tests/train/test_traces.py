@@ -8,6 +8,7 @@ from selfcest.budget import Budget
 from selfcest.tasks import load_tasks
 from selfcest.tasks.keyed_sum import KeyedSumConfig, inline_view, keyed_sum_tasks
 from selfcest.tasks.keyed_sum_teacher import KeyedSumTeacher
+from selfcest.train.config import TaskSourceConfig
 from selfcest.train.traces import demonstrations, teacher_trees
 
 SHAPE = dict(list_len=3, max_value=3)
@@ -26,7 +27,7 @@ def test_a_demonstration_cut_by_its_budget_is_dropped(tiny_policy):
 def test_demonstrations_from_a_config_leave_held_out_tasks_out(tiny_policy):
     params = {"split": "train", "n_train": 40, "n_test": 0, "n_ood": 0,
               "train": {"num_keys": 2, **SHAPE}}
-    source = {"name": "keyed_sum", "params": params}
+    source = TaskSourceConfig("keyed_sum", params)
     tasks = load_tasks("keyed_sum", **params)
     held_out = [inline_view(task) for task in tasks[:10]]  # the same lists, shown inline
     trees = demonstrations(source, "keyed_sum", {}, tiny_policy.protocol, BIG, exclude=held_out)
