@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,8 +239,11 @@ class ClonePolicy:
         sampling: SamplingParams | None = None,
         seed: int = 0,
         backend: Backend | None = None,
+        root_prefill: Sequence[int] = (),
     ):
-        return RolloutEngine(backend or self.backend(), self.protocol, budget, sampling, seed)
+        """A rollout engine over this policy (``root_prefill``: see `RolloutEngine`)."""
+        return RolloutEngine(backend or self.backend(), self.protocol, budget, sampling, seed,
+                             root_prefill=root_prefill)
 
     def solve(
         self,

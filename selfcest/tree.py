@@ -21,7 +21,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-SegmentKind = Literal["sampled", "return", "notice"]
+# sampled: the model's tokens; return: clones' results; notice: a failed call's error entry;
+# prefill: tokens placed at the start of the root's turn by the caller (a forced style).
+SegmentKind = Literal["sampled", "return", "notice", "prefill"]
 FinishReason = Literal["eos", "budget", "error", "running"]
 
 

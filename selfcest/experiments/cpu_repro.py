@@ -143,6 +143,27 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
+def warm_start_folder(config: TrainConfig, folder: Path, log=say) -> Path:
+    """The warm-start policy saved in ``folder``: trained by SFT from a fresh model, or copied
+    from ``warm_start.policy`` when that names an earlier one (with its ``sft.jsonl``)."""
+    warm_started = config.warm_start.policy
+    if warm_started is None:
+        policy = build_policy(config)
+        steps = config.warm_start.sft.steps
+
+        def progress(step: int, metrics: dict) -> None:
+            if step % max(1, steps // 10) == 0 or step == steps:
+                log(f"warm start: SFT step {step}/{steps}, loss {metrics['sft/loss']:.3f}")
+
+        history = warm_start(policy, config, held_out_tasks(config), log=progress)
+        policy.save_pretrained(folder)
+        with open(folder / "sft.jsonl", "w") as sft_log:
+            sft_log.writelines(json.dumps({"step": n, **m}) + "\n" for n, m in enumerate(history, 1))
+    elif Path(warm_started).resolve() != folder.resolve():
+        shutil.copytree(warm_started, folder, dirs_exist_ok=True)
+    return folder
+
+
 def run(config: TrainConfig, log=say) -> dict:
     """All five steps; returns the timings and where everything was written.
 
@@ -157,21 +178,7 @@ def run(config: TrainConfig, log=say) -> dict:
         torch.set_num_threads(config.trainer.cpu_threads)
 
     start = time.perf_counter()
-    warm_started = config.warm_start.policy
-    if warm_started is None:
-        policy = build_policy(config)
-        steps = config.warm_start.sft.steps
-
-        def progress(step: int, metrics: dict) -> None:
-            if step % max(1, steps // 10) == 0 or step == steps:
-                log(f"warm start: SFT step {step}/{steps}, loss {metrics['sft/loss']:.3f}")
-
-        history = warm_start(policy, config, held_out_tasks(config), log=progress)
-        policy.save_pretrained(out / "sft")
-        with open(out / "sft" / "sft.jsonl", "w") as sft_log:
-            sft_log.writelines(json.dumps({"step": n, **m}) + "\n" for n, m in enumerate(history, 1))
-    elif Path(warm_started).resolve() != (out / "sft").resolve():
-        shutil.copytree(warm_started, out / "sft", dirs_exist_ok=True)
+    warm_start_folder(config, out / "sft", log)
     timings["warm start (SFT)"] = time.perf_counter() - start
     log(f"warm start done in {timings['warm start (SFT)']:.0f}s")
 

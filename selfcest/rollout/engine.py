@@ -58,13 +58,18 @@ class RolloutEngine:
         sampling: SamplingParams | None = None,
         seed: int = 0,
         call_timeout_s: float | None = None,
+        root_prefill: Sequence[int] = (),
     ) -> None:
+        """``root_prefill``: token ids every root's first turn starts with, as if it had
+        written them (a ``prefill`` segment, masked out of training). The spawn-open token
+        forces every root to delegate: how a forced style is evaluated."""
         self.backend = backend
         self.protocol = protocol
         self.budget = budget or Budget()
         self.sampling = sampling or SamplingParams()
         self.seed = seed
         self.call_timeout_s = call_timeout_s
+        self.root_prefill = list(root_prefill)
 
     def rollout(self, tasks: Sequence[Task], samples_per_task: int = 1) -> list[CloneTree]:
         """Sample ``samples_per_task`` trees per task; trees come back grouped by task.
@@ -142,6 +147,9 @@ class RolloutEngine:
                 f"(budget.node_context = {budget.node_context})"
             )
             return
+        if self.root_prefill:
+            root.segments.append(Segment("prefill", list(self.root_prefill), None,
+                                         self.protocol.decode(self.root_prefill)))
         await self._run_node(run, root, allowance)
 
     # ------------------------------------------------------------------ node level
@@ -189,7 +197,7 @@ class RolloutEngine:
         except Exception as error:  # a failing backend call fails this node, not the batch
             node.finish_reason = "error"
             node.error = f"{type(error).__name__}: {error}"[:300]
-        node.final_text = self.protocol.final_text(self._final_turn(node))
+        node.final_text = self.protocol.final_text(self._turn(node))
         node.answer = extract_answer(node.final_text)
 
     async def _generate(self, run: _TreeRun, node: Node, call: int, max_tokens: int):
@@ -225,12 +233,13 @@ class RolloutEngine:
         node.weight_version = version
 
     @staticmethod
-    def _final_turn(node: Node) -> list[int]:
-        """The node's sampled tokens after its last injected segment."""
-        last: list[int] = []
+    def _turn(node: Node) -> list[int]:
+        """The node's current turn: its tokens after the last injected result or notice
+        (sampled tokens, and a prefill the turn started with)."""
+        turn: list[int] = []
         for segment in node.segments:
-            last = last + segment.token_ids if segment.trainable else []
-        return last
+            turn = [] if segment.kind in ("return", "notice") else turn + segment.token_ids
+        return turn
 
     # ------------------------------------------------------------------ spawning
 
@@ -238,7 +247,7 @@ class RolloutEngine:
         """Handle the spawn call that ends the node's last segment, then inject the results."""
         spawn = Spawn(segment_index=len(node.segments) - 1, child_ids=[])
         node.spawns.append(spawn)
-        parsed = self.protocol.parse(node.segments[-1].token_ids)
+        parsed = self.protocol.parse(self._turn(node))
         if isinstance(parsed, ProtocolError):
             spawn.errors.append(parsed.reason)
             spawn.slots.append("")

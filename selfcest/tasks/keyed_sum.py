@@ -177,10 +177,21 @@ def load_keyed_sum(
     n_ood: int = 200,
     train: Any = None,
     ood: Any = None,
+    sizes: list[int] | None = None,
 ) -> list[Task]:
     """The ``split`` ("train", "test" or "ood") of `keyed_sum_splits`; ``train`` / ``ood`` are
-    `KeyedSumConfig`s or mappings of their fields (the task source ``keyed_sum``)."""
-    splits = keyed_sum_splits(
-        seed, config_of(KeyedSumConfig, train), config_of(KeyedSumConfig, ood), n_train, n_test, n_ood
-    )
-    return splits[split]
+    `KeyedSumConfig`s or mappings of their fields (the task source ``keyed_sum``).
+
+    ``sizes`` (numbers of keys) makes the train and test splits hold ``n_train`` / ``n_test``
+    tasks of each size, ``train`` with its ``num_keys`` replaced by the size, ids
+    ``keyed_sum-{split}-{size}k-{i}``; the OOD split is ``ood`` as without sizes.
+    """
+    train, ood = config_of(KeyedSumConfig, train), config_of(KeyedSumConfig, ood)
+    if sizes is None or split == "ood":
+        return keyed_sum_splits(seed, train, ood, n_train, n_test, n_ood)[split]
+    tasks = []
+    for size in sizes:
+        shaped = replace(train or KeyedSumConfig(), num_keys=size)
+        for i, task in enumerate(keyed_sum_splits(seed, shaped, ood, n_train, n_test, 0)[split]):
+            tasks.append(replace(task, id=f"keyed_sum-{split}-{size}k-{i}"))
+    return tasks

@@ -103,6 +103,9 @@ class KeyedSumTeacher:
     # Probability that a root which sees its lists inline delegates them by key rather than
     # solving them itself (a root that sees keys only always delegates).
     delegate_inline: float = 0.0
+    # A node holding more keys than this always delegates: a direct solution of that many
+    # lists would not fit its context (None: no limit).
+    max_direct_keys: int | None = None
     # Clones write their answer zero-padded to this many digits, and every node pads the
     # running totals of the turn in which it adds its clones' answers the same way (0: no
     # padding; a root's final answer is never padded). Every answer a parent reads then has
@@ -122,6 +125,8 @@ class KeyedSumTeacher:
         for name in ("redelegate", "delegate_inline"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a probability, got {getattr(self, name)}")
+        if self.max_direct_keys is not None and self.max_direct_keys < 1:
+            raise ValueError(f"max_direct_keys must be >= 1 (or None), got {self.max_direct_keys}")
         self._rng = random.Random(self.seed)
 
     def __call__(self, prompt: str) -> str:
@@ -141,7 +146,8 @@ class KeyedSumTeacher:
         if not lists:
             raise ValueError(f"not a keyed_sum prompt: {user!r}")
         chance = self.delegate_inline if is_root else self.redelegate
-        if len(lists) >= 2 and self._rng.random() < chance:
+        too_many = self.max_direct_keys is not None and len(lists) > self.max_direct_keys
+        if len(lists) >= 2 and (too_many or self._rng.random() < chance):
             return self._delegate([key for key, _ in lists])
         return solve_lists(lists, width)
 

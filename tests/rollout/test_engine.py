@@ -227,6 +227,33 @@ def test_a_node_cut_off_inside_a_spawn_call_has_no_answer(tiny_policy):
     assert tree.root.final_text == "" and tree.answer == ""
 
 
+def prefilled(policy, plans):
+    backend = ScriptedBackend(policy.tokenizer, Script(plans))
+    engine = RolloutEngine(backend, policy.protocol, Budget(max_depth=2),
+                           root_prefill=[policy.protocol.spawn_open_id])
+    return engine.rollout([Task("t", "ROOT", "x", CONTEXT)])[0]
+
+
+def test_a_spawn_prefill_makes_the_root_delegate_and_is_never_trained(tiny_policy):
+    """The root's turn starts with the spawn-open token it did not sample: its call, the
+    prefill and its own continuation together, is parsed; the prefill carries no logprobs."""
+    tree = prefilled(tiny_policy, {"ROOT": ["A @L1<sep>B</spawn>", "Answer: done"],
+                                   "A": ["Answer: a"], "B": ["Answer: b"]})
+    root = tree.root
+    assert [s.kind for s in root.segments] == ["prefill", "sampled", "return", "sampled"]
+    assert root.segments[0].token_ids == [tiny_policy.protocol.spawn_open_id]
+    assert not root.segments[0].trainable and root.segments[0].logprobs is None
+    assert sorted(tree.nodes) == ["0", "0.0", "0.1"] and tree.answer == "done"
+    assert tree.costs().generated_tokens == sum(n.generated_tokens for n in tree.nodes.values())
+    assert root.generated_tokens == sum(len(s.token_ids) for s in root.segments if s.trainable)
+
+
+def test_an_answer_written_inside_a_prefilled_call_is_no_answer(tiny_policy):
+    """A forced root that ends its turn inside the open call has not answered."""
+    tree = prefilled(tiny_policy, {"ROOT": ["Answer: x"]})
+    assert tree.root.finish_reason == "eos" and tree.answer == ""
+
+
 @pytest.mark.parametrize("timeout", [0.05])
 def test_call_timeout(tiny_policy, timeout):
     import asyncio

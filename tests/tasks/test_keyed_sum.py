@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from selfcest.tasks.keyed_sum import KeyedSumConfig, keyed_sum_splits, keyed_sum_tasks
+from selfcest.tasks.keyed_sum import KeyedSumConfig, keyed_sum_splits, keyed_sum_tasks, load_keyed_sum
 
 
 def numbers(task):
@@ -116,3 +116,15 @@ def test_inline_view_prints_the_same_lists_with_the_same_answer():
     assert view.answer == task.answer and view.context == task.context and view.id == task.id
     assert view.prompt == f"Add all numbers mod 10.\n[L1] {task.context['L1']}\n[L2] {task.context['L2']}"
     assert inline_view(view) == view
+
+
+def test_sizes_give_each_number_of_keys_its_own_disjoint_splits():
+    shape = {"list_len": 3, "max_value": 3, "inline": True}
+    train, test = (load_keyed_sum(split, n_train=20, n_test=5, n_ood=7, sizes=[2, 5], train=shape,
+                                  ood={**shape, "num_keys": 9}) for split in ("train", "test"))
+    for split, tasks, n in (("train", train, 20), ("test", test, 5)):
+        assert [len(t.context) for t in tasks] == [2] * n + [5] * n
+        assert len({t.id for t in tasks}) == 2 * n and tasks[n].id == f"keyed_sum-{split}-5k-0"
+    assert not {t.prompt for t in train} & {t.prompt for t in test}
+    ood = load_keyed_sum("ood", n_ood=7, sizes=[2, 5], ood={**shape, "num_keys": 9})
+    assert [len(t.context) for t in ood] == [9] * 7

@@ -54,8 +54,29 @@ def test_monolithic_demonstrations_sum_each_list_then_the_totals(tiny_policy):
     assert lines[3].count("=") == 3  # the three list totals added up
 
 
+def test_the_uninformed_teacher_delegates_by_chance_unless_the_lists_cannot_fit(tiny_policy):
+    """Both styles where a node may solve directly, about half each, branching drawn from
+    the list; delegation always above ``max_direct_keys``."""
+    teacher = KeyedSumTeacher(branching=(2, 3, 4), redelegate=0.5, delegate_inline=0.5,
+                              max_direct_keys=3)
+    for keys in (3, 6):
+        tasks = [inline_view(t) for t in keyed_sum_tasks(200, seed=keys, config=KeyedSumConfig(num_keys=keys, **SHAPE))]
+        trees = teacher_trees(tasks, teacher, tiny_policy.protocol, BIG)
+        assert all(tree.answer == task.answer for tree, task in zip(trees, tasks))
+        delegated = [len(tree.root.children) for tree in trees if tree.root.children]
+        for tree in trees:  # no node solves more than 3 lists itself
+            assert all(node.children or len(node.context_keys) <= 3 for node in tree.clones())
+        if keys == 3:
+            assert 0.4 < len(delegated) / len(trees) < 0.6
+            assert set(delegated) == {2, 3}  # 4 clones for 3 keys give one key each
+        else:
+            assert len(delegated) == len(trees) and set(delegated) == {2, 3, 4}
+
+
 def test_the_teacher_refuses_what_it_cannot_demonstrate():
     with pytest.raises(ValueError, match="branching"):
         KeyedSumTeacher(branching=(1,))
     with pytest.raises(ValueError, match="redelegate"):
         KeyedSumTeacher(redelegate=1.5)
+    with pytest.raises(ValueError, match="max_direct_keys"):
+        KeyedSumTeacher(max_direct_keys=0)

@@ -1,0 +1,63 @@
+"""``report.md`` of one controller run and the plots beside it.
+
+Every figure comes from the run's summary (`selfcest.experiments.controller.summarize`); the
+wording and layout are the template ``selfcest/templates/controller_report.md.j2``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from selfcest.experiments.report import training_curves
+from selfcest.templates import environment
+from selfcest.train.config import TrainConfig
+
+_ENVIRONMENT = environment(html=False)
+_ENVIRONMENT.filters["json"] = json.dumps
+
+
+def plot_by_size(series: dict[str, list[tuple[int, dict | None]]], ylabel: str, path: Path) -> Path:
+    """One line per label: an estimate (``{value, low, high}``, or None where there is
+    none) against task size, with its interval as error bars (PNG)."""
+    figure = Figure(figsize=(6, 3.6))
+    axis = figure.subplots()
+    for label, points in series.items():
+        points = [(size, e) for size, e in points if e is not None]
+        if not points:
+            continue
+        sizes = [size for size, _ in points]
+        values = [e["value"] for _, e in points]
+        errors = [[e["value"] - e["low"] for _, e in points], [e["high"] - e["value"] for _, e in points]]
+        axis.errorbar(sizes, values, yerr=errors, marker="o", markersize=4, capsize=3, label=label)
+    axis.set_xlabel("task size (keys)")
+    axis.set_ylabel(ylabel)
+    axis.grid(alpha=0.3)
+    if axis.containers:  # a line was drawn
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def size_series(summary: dict, field: str) -> dict[str, list[tuple[int, dict | None]]]:
+    """``field`` of every per-size row, one series per policy of the summary."""
+    return {name: [(row["size"], row[field]) for row in rows] for name, rows in summary["per_size"].items()}
+
+
+def write_controller_report(out: Path, config: TrainConfig, summary: dict, history: list[dict]) -> Path:
+    """``report.md`` with ``delegation_rate.png``, ``branching.png`` and ``training_curve.png``."""
+    plots = {
+        "rate": plot_by_size(size_series(summary, "delegation_rate"), "P(root delegates)",
+                             out / "delegation_rate.png").name,
+        "branching": plot_by_size(size_series(summary, "branching"), "clones of the first call",
+                                  out / "branching.png").name,
+        "curve": training_curves({"RL": history}, out / "training_curve.png").name,
+    }
+    text = _ENVIRONMENT.get_template("controller_report.md.j2").render(
+        config=config, summary=summary, plots=plots)
+    report = out / "report.md"
+    report.write_text(text)
+    return report

@@ -1,0 +1,107 @@
+"""The learned-controller experiment: its configs, held-out tasks by size, the training-speed
+figure, the sweep's bookkeeping, and (slow) the quick variant end to end."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from selfcest.configure import validate
+from selfcest.experiments import controller_sweep
+from selfcest.experiments.controller import held_out_by_size, run, steps_to_fraction
+from selfcest.experiments.controller_sweep import SweepConfig, sweep, write_summary
+from selfcest.experiments.cpu_repro import compose
+from selfcest.train.config import load_split
+
+SETTINGS = ("controller", "controller_free", "controller_latency", "controller_quick")
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_every_setting_composes_and_differs_only_in_its_cost(name):
+    config, base = compose(name, []), compose("controller", [])
+    validate(config)
+    if name != "controller_quick":
+        assert config.warm_start == base.warm_start  # one warm start serves every setting of a seed
+        assert replace(config.trainer, output_dir="") == replace(base.trainer, output_dir="")
+    cost = config.task.reward_params["cost"]
+    assert {"controller": (0.002, 0.0), "controller_free": (0.0, 0.0),
+            "controller_latency": (0.0, 0.002), "controller_quick": (0.002, 0.0)}[name] == \
+        (cost["per_token"], cost.get("per_critical_path_token", 0.0))
+
+
+def test_held_out_tasks_come_per_size_and_never_from_training():
+    config = compose("controller_quick", ["eval.tasks_per_split=5"])
+    tasks = held_out_by_size(config)
+    assert Counter(len(t.context) for t in tasks) == {2: 5, 4: 5, 6: 5, 10: 5}
+    assert not {t.prompt for t in tasks} & {t.prompt for t in load_split(config.task, "train")}
+
+
+def test_steps_to_a_fraction_of_the_gain():
+    history = [{"reward/mean": r} for r in [0.0] * 4 + [0.5] * 4 + [1.0] * 8]
+    # running means over 4 steps: 0 until step 4, 0.125 ... 0.5 at step 8, 1.0 from step 12
+    assert steps_to_fraction(history, 0.9) == 12
+    assert steps_to_fraction(history, 0.5) == 8
+    assert steps_to_fraction(list(reversed(history))) is None  # no gain
+    assert steps_to_fraction(history[:5]) is None  # too short to tell
+
+
+def results(name: str, seed: int, beats: bool) -> dict:
+    rate = {"value": 0.5, "low": 0.4, "high": 0.6}
+    sizes = [{"size": s, "delegation_rate": rate, "branching": None} for s in (2, 6)]
+    return {"name": name, "seed": seed, "reward": {"warm start": 0.1, "RL": 0.3},
+            "rl_minus_start": {"value": 0.2, "low": 0.1 if beats else -0.1, "high": 0.3},
+            "rl_minus_best_forced": {"value": 0.0, "low": -0.005, "high": 0.01},
+            "beats_start": beats, "matches_best_forced": True, "decisive_sizes": [6], "indecisive_sizes": [2],
+            "steps_to_90": 12, "per_size": {"warm start": sizes, "RL": sizes}}
+
+
+def test_the_sweep_shares_a_warm_start_per_seed_and_resumes(tmp_path, monkeypatch):
+    config = SweepConfig(experiments=["controller_free", "controller"], credit_experiment="controller",
+                         credits=["broadcast", "ratio"], seeds=[0, 1], output_dir=str(tmp_path))
+    assert config.runs() == [("controller_free", "broadcast"), ("controller", "broadcast"), ("controller", "ratio")]
+    done = tmp_path / "controller_free-broadcast" / "seed1"
+    done.mkdir(parents=True)
+    (done / "results.json").write_text(json.dumps(results("controller_free", 1, True)))
+    calls = []
+
+    def fake_run(train_config, log):
+        calls.append((train_config.name, train_config.trainer.seed, str(train_config.algo.credit.strategy),
+                      train_config.warm_start.policy))
+        folder = tmp_path / f"{train_config.name}-{train_config.algo.credit.strategy}" / f"seed{train_config.trainer.seed}"
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps(results(train_config.name, train_config.trainer.seed, False)))
+
+    monkeypatch.setattr(controller_sweep, "run", fake_run)
+    summary = sweep(config, log=lambda message: None).read_text()
+    first = str(tmp_path / "controller_free-broadcast" / "seed0" / "sft")
+    assert calls == [("controller_free", 0, "broadcast", None), ("controller", 0, "broadcast", first),
+                     ("controller", 0, "ratio", first),  # seed 1's first run was done already
+                     ("controller", 1, "broadcast", str(done / "sft")), ("controller", 1, "ratio", str(done / "sft"))]
+    assert "| controller_free | broadcast | 2 | 0.300 | +0.200 | 1/2 |" in summary
+    assert (tmp_path / "delegation_rate.png").stat().st_size > 0
+
+
+def test_a_summary_before_any_run_says_so(tmp_path):
+    text = write_summary(tmp_path, SweepConfig(output_dir=str(tmp_path))).read_text()
+    assert "Runs found under" in text and ": 0 of 6 settings" in text
+
+
+@pytest.mark.slow
+def test_quick_controller_run_measures_every_mode_and_reports(tmp_path):
+    config = compose("controller_quick", [f"trainer.output_dir={tmp_path}", "log.progress=false"])
+    summary = run(config, log=lambda message: None)
+    rows = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    # 2 policies x 3 modes x (3 trained sizes + OOD) x 12 tasks x 1 sample
+    assert Counter((r["policy"], r["mode"]) for r in rows) == {(p, m): 48 for p in ("warm start", "RL")
+                                                              for m in ("free", "direct", "delegate")}
+    assert all(r["delegated"] for r in rows if r["mode"] == "delegate")
+    assert not any(r["clones"] for r in rows if r["mode"] == "direct")
+    assert [row["size"] for row in summary["per_size"]["RL"]] == [2, 4, 6, 10]
+    assert json.loads((tmp_path / "results.json").read_text())["seed"] == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "## Verdicts" in report and "| size | P(delegate) |" in report
+    for name in ("delegation_rate.png", "branching.png", "training_curve.png", "rl/policy/config.json"):
+        assert (tmp_path / name).stat().st_size > 0, name
