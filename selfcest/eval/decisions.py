@@ -3,7 +3,8 @@
 A policy is run on the same tasks in three modes (`Mode`):
 
 - ``free``: as trained; the root decides whether to spawn and how many clones;
-- ``direct``: spawning disabled (``max_depth = 0``): a spawn call gets an error notice;
+- ``direct``: the spawn-open token is never sampled (`SamplingParams.banned_token_ids`) and
+  spawning is disabled (``max_depth = 0``): the root solves alone;
 - ``delegate``: every root's turn starts with the spawn-open token, prefilled by the engine
   (masked out of training, not counted as generated): the root must delegate and decides only
   what and to how many clones.
@@ -77,8 +78,9 @@ def sample_decisions(policy: ClonePolicy, tasks: Sequence[Task], mode: Mode, bud
     """``samples`` trees per task in ``mode``, scored by ``reward_fn`` (``backend``: the
     policy's own unless given)."""
     prefill: list[int] = []
-    if mode == Mode.DIRECT:
+    if mode == Mode.DIRECT:  # no call can be opened, and none would be served
         budget = replace(budget, max_depth=0)
+        sampling = replace(sampling, banned_token_ids=(*sampling.banned_token_ids, policy.protocol.spawn_open_id))
     elif mode == Mode.DELEGATE:
         prefill = [policy.protocol.spawn_open_id]
     engine = policy.engine(budget, sampling, seed=seed, backend=backend, root_prefill=prefill)

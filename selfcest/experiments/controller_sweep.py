@@ -9,8 +9,9 @@ Each run is `selfcest.experiments.controller.run` with ``experiment=<setting>
 trainer.seed=<seed> algo.credit.strategy=<credit>`` and the sweep's ``overrides``, written to
 ``<output_dir>/<setting>-<credit>/seed<seed>``. The settings differ only in reward and
 credit, so the runs of one seed share one warm start (the first run of the seed trains it,
-the others load it). A run whose ``results.json`` exists is not run again: an interrupted
-sweep resumes where it stopped. ``summary.md`` (with ``delegation_rate.png`` and
+the others load it). A run whose ``results.json`` exists is not run again, and a warm
+start already saved in the first run's folder is not trained again: an interrupted sweep
+resumes where it stopped. ``summary.md`` (with ``delegation_rate.png`` and
 ``branching.png``) tabulates every run found, whether or not all of them are done yet.
 """
 
@@ -64,6 +65,8 @@ def sweep(config: SweepConfig, log=say) -> Path:
         warm_start = None
         for name, credit in config.runs():
             folder = out / f"{name}-{credit}" / f"seed{seed}"
+            if warm_start is None and (folder / "sft" / "config.json").exists():
+                warm_start = folder / "sft"  # saved before an interruption: not trained again
             if not (folder / "results.json").exists():
                 log(f"sweep: {name} credit={credit} seed={seed}")
                 overrides = [f"trainer.seed={seed}", f"algo.credit.strategy={credit}",

@@ -87,3 +87,15 @@ def test_per_size_averages_each_task_first_and_names_the_better_style():
 def test_sizes_measured_without_the_forced_modes_have_no_oracle():
     (only,) = per_size([row("a", 3, "free", 1.0, True, 2)], resamples=50)
     assert only.delegate_gain is None and only.better == "tie" and set(only.reward) == {"free"}
+
+
+def test_a_real_model_that_always_spawns_solves_alone_when_forced_direct(spawning_policy, demo_task):
+    """The overfit policy opens a spawn call first every time; forced direct, it never does
+    (the spawn-open token is not sampled), and forced delegate it always does."""
+    def run(mode: Mode) -> list[Decision]:
+        return sample_decisions(spawning_policy, [demo_task], mode, Budget(max_depth=1, node_generation=24),
+                                SamplingParams(), exact_match, samples=8)
+
+    free, direct, forced = run(Mode.FREE), run(Mode.DIRECT), run(Mode.DELEGATE)
+    assert all(d.delegated and d.clones == 2 for d in free + forced)
+    assert not any(d.delegated or d.clones for d in direct)

@@ -105,3 +105,19 @@ def test_quick_controller_run_measures_every_mode_and_reports(tmp_path):
     assert "## Verdicts" in report and "| size | P(delegate) |" in report
     for name in ("delegation_rate.png", "branching.png", "training_curve.png", "rl/policy/config.json"):
         assert (tmp_path / name).stat().st_size > 0, name
+
+
+def test_a_warm_start_saved_before_an_interruption_is_not_trained_again(tmp_path, monkeypatch):
+    config = SweepConfig(experiments=["controller"], credits=["broadcast"], seeds=[0], output_dir=str(tmp_path))
+    saved = tmp_path / "controller-broadcast" / "seed0" / "sft"
+    saved.mkdir(parents=True)
+    (saved / "config.json").write_text("{}")
+    policies = []
+
+    def fake_run(train_config, log):
+        policies.append(train_config.warm_start.policy)
+        (saved.parent / "results.json").write_text(json.dumps(results("controller", 0, True)))
+
+    monkeypatch.setattr(controller_sweep, "run", fake_run)
+    sweep(config, log=lambda message: None)
+    assert policies == [str(saved)]

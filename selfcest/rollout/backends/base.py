@@ -16,6 +16,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
+    # Token ids never drawn: they are truncated away like top-k/top-p truncation (so the
+    # logprobs stay those of the untruncated distribution). Banning the spawn-open token
+    # is how a forced direct style is evaluated.
+    banned_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -203,7 +203,8 @@ def sample_rows(
 
     Each row uses its own sampling parameters and generator (inverse-CDF sampling with one
     uniform draw per row). Logprobs follow `SamplingParams`: ``log_softmax(logits / T)``
-    before top-k/top-p truncation; greedy rows report temperature-1 logprobs.
+    before top-k/top-p truncation (and before banned tokens are removed); greedy rows report
+    temperature-1 logprobs.
     """
     temperature = torch.tensor([s.temperature or 1.0 for s in samplings], device=logits.device)
     logp = torch.log_softmax(logits / temperature[:, None], dim=-1)
@@ -211,6 +212,11 @@ def sample_rows(
     vocab = probs.shape[-1]
     top_k = torch.tensor([s.top_k or vocab for s in samplings], device=logits.device)
     top_p = torch.tensor([s.top_p for s in samplings], device=logits.device)
+    banned = [(row, token) for row, s in enumerate(samplings) for token in s.banned_token_ids]
+    if banned:
+        rows, columns = torch.tensor(banned, device=logits.device).T
+        probs = probs.index_put((rows, columns), torch.zeros((), device=logits.device))
+        logits = logits.index_put((rows, columns), torch.tensor(float("-inf"), device=logits.device))
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
     if (top_k < vocab).any() or (top_p < 1).any():
         ranks = torch.arange(vocab, device=logits.device)[None, :]

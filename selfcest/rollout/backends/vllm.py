@@ -273,6 +273,9 @@ class VLLMBackend:
             raise
 
     def _sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int], sampling: SamplingParams, seed: int):
+        if sampling.banned_token_ids:
+            raise ValueError("VLLMBackend does not serve banned_token_ids yet; evaluate forced "
+                             "styles with the HF backend")
         if not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1):
             # vLLM reports logprobs either at temperature 1 or after top-k/top-p
             # renormalisation; neither is the contract's log_softmax(logits / T), and a

@@ -11,7 +11,7 @@ import torch
 from selfcest.budget import Budget
 from selfcest.policy import forward_logprobs
 from selfcest.rollout.backends.base import SamplingParams
-from selfcest.rollout.backends.hf import HFBackend
+from selfcest.rollout.backends.hf import HFBackend, sample_rows
 from selfcest.rollout.engine import RolloutEngine
 
 
@@ -171,3 +171,21 @@ def test_token_fidelity_with_a_real_model(spawning_policy, demo_task):
             context += segment.token_ids
         assert context == node.context_ids()
     assert len(seen) == sum(1 for n in tree.nodes.values() for s in n.segments if s.trainable)
+
+
+def test_banned_tokens_are_never_drawn_and_keep_the_untruncated_logprobs():
+    """Token 0 takes 98% of the mass; banned, it is never drawn, greedy or sampled, alone or
+    with top-k, and every drawn token reports its logprob before the ban."""
+    logits = torch.tensor([[5.0, 1.0, 0.5, -1.0]])
+    full = torch.log_softmax(logits[0], -1)
+    cases = [SamplingParams(banned_token_ids=(0,)), SamplingParams(temperature=0, banned_token_ids=(0,)),
+             SamplingParams(top_k=2, banned_token_ids=(0, 1))]
+    for sampling in cases:
+        for seed in range(50):
+            (token,), (logprob,) = sample_rows(logits, [sampling], [torch.Generator().manual_seed(seed)])
+            assert token not in sampling.banned_token_ids
+            assert logprob == pytest.approx(full[token].item())
+        if sampling.greedy:
+            assert token == 1
+    drawn = {sample_rows(logits, [SamplingParams()], [torch.Generator().manual_seed(s)])[0][0] for s in range(50)}
+    assert 0 in drawn  # without the ban the favourite is drawn
