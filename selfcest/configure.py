@@ -26,6 +26,7 @@ from typing import Any
 import hydra
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -269,9 +270,16 @@ def _type_name(kind: Any) -> str:
 
 def compose(config_name: str, overrides: list[str], kind: type) -> Any:
     """The ``kind`` config Hydra composes from `CONFIG_DIR`'s ``config_name`` and
-    ``overrides`` (the schemas must be registered first)."""
-    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-        return build(kind, hydra_compose(config_name, overrides=overrides))
+    ``overrides`` (the schemas must be registered first). Works inside a running Hydra app
+    too (a sweep composing its runs), whose Hydra instance is set aside meanwhile."""
+    outer = GlobalHydra.instance().hydra if GlobalHydra.instance().is_initialized() else None
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+            return build(kind, hydra_compose(config_name, overrides=overrides))
+    finally:
+        if outer is not None:
+            GlobalHydra.instance().initialize(outer)
 
 
 def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults: Sequence[str] = (),

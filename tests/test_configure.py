@@ -8,9 +8,12 @@ import sys
 import typing
 
 import pytest
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 
 from selfcest.budget import Budget
-from selfcest.configure import CONFIG_DIR, ConfigError, build, describe, validate
+from selfcest.cli import register_schemas
+from selfcest.configure import CONFIG_DIR, ConfigError, build, compose, describe, validate
 from selfcest.eval.config import EvalConfig
 from selfcest.train.config import ProtocolName, TrainConfig
 
@@ -76,3 +79,13 @@ def test_selfcest_train_help_prints_every_key():
     assert result.stdout.startswith("selfcest-train [key=value ...]")
     assert "\nrollout.budget.node_context (int, default 1024): tokens one node's context may hold" in result.stdout
     assert "\nalgo.loss.aggregation (token_mean | seq_mean_token_mean | tree_mean, default 'tree_mean')" in result.stdout
+
+
+def test_compose_works_inside_a_running_hydra_app():
+    """A sweep (a Hydra app) composes each run's config; the app's Hydra stays as it was."""
+    register_schemas()
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        outer = GlobalHydra.instance().hydra
+        config = compose("train", ["experiment=controller_quick"], TrainConfig)
+        assert config.name == "controller_quick"
+        assert GlobalHydra.instance().hydra is outer
