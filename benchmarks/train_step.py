@@ -28,6 +28,7 @@ from selfcest.rewards.base import RewardResult
 from selfcest.tasks import load_tasks
 from selfcest.tasks.keyed_sum_teacher import KeyedSumTeacher
 from selfcest.train.config import TrainConfig
+from selfcest.train.setup import build_trainer
 from selfcest.train.traces import teacher_trees
 from selfcest.train.trainer import GRPOTrainer
 
@@ -43,7 +44,7 @@ def trainer_for(size: str, output_dir: str) -> GRPOTrainer:
     config.trainer.tokens_per_micro_batch = 8192
     config.trainer.output_dir = output_dir
     config.log.progress = False
-    return GRPOTrainer(config, reward_fn=length_reward)
+    return build_trainer(config, reward_fn=length_reward)
 
 
 def length_reward(tree, task) -> RewardResult:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -10,6 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from selfcest.policy import ClonePolicy, forward_logprobs
 
+REPO = Path(__file__).resolve().parents[1]
 DEMO_CONTEXT = {"L1": "1 2", "L2": "3 4"}
 
 
@@ -58,8 +63,36 @@ def fill_missing(node, value: str) -> list[str]:
 
 def script_main(name: str):
     """The ``main(argv)`` of ``scripts/<name>.py``, to run a script in process."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    path = REPO / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"script_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main
+
+
+def readme_blocks(heading: str, language: str = "bash") -> list[str]:
+    """The ``language`` blocks under a README heading, up to the next heading of any level."""
+    text = (REPO / "README.md").read_text()
+    section = re.split(r"\n#{2,3} ", text.split(f"\n{heading}\n", 1)[1], maxsplit=1)[0]
+    return re.findall(rf"```{language}\n(.*?)```", section, re.DOTALL)
+
+
+def commands(block: str) -> list[str]:
+    """A block's commands, continuation lines joined; comment lines and trailing comments
+    left out."""
+    lines = block.replace("\\\n", " ").splitlines()
+    lines = [re.sub(r"\s+#\s.*$", "", line).strip() for line in lines]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def shell(command: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a README line in bash as a user of this environment would: this Python's folder
+    (its console scripts: selfcest-train, ...) first on PATH, this checkout's selfcest imported.
+
+    One OpenMP thread unless set, as in-process tests have (conftest.py): a tiny model's step
+    takes 100x longer with threads that spin against other busy processes.
+    """
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "PATH": path, "PYTHONPATH": str(REPO)}
+    return subprocess.run(["bash", "-c", command], check=False, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -27,7 +27,9 @@ def test_quick_reproduction_learns_and_reports(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| arm | reward after RL | SFT start |" in report
     assert "| method | budget |" in report  # the evaluation table
-    for name in ("eval/pareto_total_tokens.png", "eval/pareto_critical_path.png",
-                 "training_curves.png", "eval/trace.html", "eval/results.csv"):
+    # clones/policy: the clone arm, which the README's notebook snippet loads.
+    for name in ("clones/policy/model.safetensors", "eval/pareto_total_tokens.png",
+                 "eval/pareto_critical_path.png", "training_curves.png", "eval/trace.html",
+                 "eval/results.csv"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert set(outcome["timings"]) >= {"warm start (SFT)", "GRPO, clones", "GRPO, monolithic", "total"}

@@ -11,22 +11,19 @@ changed. Marked ``paper`` (about 70 s): ``pytest -m paper``.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from dataset_sources import write_downloads
-from helpers import script_main
+from helpers import commands, readme_blocks, script_main, shell
 
 from selfcest.configure import CONFIG_DIR
 from selfcest.policy import ClonePolicy
 
-REPO = Path(__file__).resolve().parents[2]
 PAPER = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("paper_*.yaml"))
 MODEL = "/path/to/model"  # the README's placeholder
 # One step, evaluated; two prompts per step, two held-out tasks. The group size stays the
@@ -37,19 +34,6 @@ SMALL = ("trainer.steps=1", "trainer.eval_every=1", "trainer.prompts_per_step=2"
 # integers it never writes, so their groups tie and the step trains nothing (every group is
 # dropped as carrying no signal); in the mixed run almost every drawn task is arithmetic.
 EARNED = {"paper_aime", "paper_math_hard", "paper_2wiki", "paper_musique"}
-
-
-def readme_blocks(heading: str) -> list[str]:
-    """The bash blocks under a README heading, up to the next heading of any level."""
-    text = (REPO / "README.md").read_text()
-    section = re.split(r"\n#{2,3} ", text.split(f"\n{heading}\n", 1)[1], maxsplit=1)[0]
-    return re.findall(r"```bash\n(.*?)```", section, re.S)
-
-
-def commands(block: str) -> list[str]:
-    """A block's commands, continuation lines joined, comment lines left out."""
-    lines = block.replace("\\\n", " ").splitlines()
-    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
 PREPARE, TRAIN = (commands(block) for block in readme_blocks("## Reproducing the paper's runs"))
@@ -63,12 +47,6 @@ def runnable(command: str, model: Path) -> str:
         command = command.replace("selfcest-train", f"{sys.executable} -m selfcest.train", 1)
         command = " ".join([command.replace(f"model.name={MODEL}", f"model.name={model}"), *SMALL])
     return command
-
-
-def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
 
 
 def write_stand_in(folder: Path) -> None:
@@ -124,7 +102,7 @@ def test_the_readme_trains_every_paper_experiment_once():
 @pytest.mark.paper
 @pytest.mark.parametrize("experiment", PAPER)
 def test_paper_experiment_trains_one_step_and_evaluates(experiment, workspace):
-    done = run(runnable(train_command(experiment), workspace / "stand_in"), workspace)
+    done = shell(runnable(train_command(experiment), workspace / "stand_in"), workspace)
     assert done.returncode == 0, done.stderr[-3000:]
     output = workspace / "runs" / experiment  # trainer.output_dir: runs/${name}
     assert json.loads((output / "config.json").read_text())["name"] == experiment
@@ -138,7 +116,7 @@ def test_paper_experiment_trains_one_step_and_evaluates(experiment, workspace):
 @pytest.mark.paper
 def test_own_data_lines_train_one_step(tmp_path):
     for command in OWN_DATA:
-        done = run(runnable(command, tmp_path), tmp_path)
+        done = shell(runnable(command, tmp_path), tmp_path)
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
     (step,) = [json.loads(line) for line in (tmp_path / "runs/default/metrics.jsonl").read_text().splitlines()]
     assert step["step"] == 1 and "eval/accuracy" in step
