@@ -34,6 +34,7 @@ register_schemas()
 # not commands), and the tests that cover them.
 COVERED = {
     "## Quickstart": ["bash"],  # test_quickstart_make_targets_run_what_the_readme_says
+    "## Does RL learn to delegate? The controller experiment": ["bash"],  # test_controller_lines_* (slow)
     "## In a notebook": ["python"],  # test_notebook_snippet_prints_an_answer_a_tree_and_costs
     "## How it works": [""],  # a diagram
     "## Training": ["bash"],  # test_training_*, test_cpu_repro_training_lines_* (paper)
@@ -251,3 +252,26 @@ def test_rollout_benchmark_runs_on_a_tiny_saved_policy(tmp_path):
 def test_train_step_benchmark_runs_at_its_smallest():
     printed = ok(f"{STEP_BENCH} --sizes tiny --steps 1 --repeats 1 --trees 4", REPO).stdout
     assert "efficiency (limit / update)" in printed
+
+
+# ----------------------------------------------------------------------------- Controller
+
+SWEEP, ONE_RUN, QUICK = commands(readme_blocks("## Does RL learn to delegate? The controller experiment")[0])
+# The one-run line at the quick variant's sizes, from the warm start the quick line saved.
+CONTROLLER_SMALL = ("task.params.n_train=40", "task.params.n_test=12", "task.params.n_ood=12",
+                    "task.params.sizes=[2,4,6]", "trainer.steps=2", "trainer.prompts_per_step=2",
+                    "trainer.trees_per_prompt=4", "eval.tasks_per_split=4", "eval.bootstrap_samples=50")
+
+
+@pytest.mark.slow
+def test_controller_lines_run_the_quick_variant_one_run_and_the_sweep(tmp_path):
+    """The quick line as written; the one-run and sweep lines made small, from its warm
+    start (about 2 minutes)."""
+    ok(QUICK, tmp_path)
+    warm = tmp_path / "runs/controller_quick/seed0/sft"
+    assert (tmp_path / "runs/controller_quick/seed0/report.md").is_file()
+    ok(" ".join([ONE_RUN, *CONTROLLER_SMALL, f"warm_start.policy={warm}"]), tmp_path)
+    assert json.loads((tmp_path / "runs/controller/seed0/results.json").read_text())["name"] == "controller"
+    overrides = ",".join(f'"{o}"' for o in [*CONTROLLER_SMALL, f"warm_start.policy={warm}"])
+    ok(f"{SWEEP} seeds=[0] experiments=[controller] credits=[broadcast] 'overrides=[{overrides}]'", tmp_path)
+    assert "| controller | broadcast | 1 |" in (tmp_path / "runs/controller_sweep/summary.md").read_text()
