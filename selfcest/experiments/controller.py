@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from selfcest.cli import register_schemas
 from selfcest.configure import hydra_app
 from selfcest.eval.decisions import Decision, Mode, per_size, per_task, paired_gap, sample_decisions
 from selfcest.experiments.controller_report import write_controller_report
-from selfcest.experiments.cpu_repro import say, train_arm, warm_start_folder
+from selfcest.experiments.cpu_repro import say, timed, train_arm, warm_start_folder
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.task import Task
@@ -138,25 +137,17 @@ def run(config: TrainConfig, log=say) -> dict:
     if config.trainer.cpu_threads:
         torch.set_num_threads(config.trainer.cpu_threads)
     timings: dict[str, float] = {}
-    mark = time.perf_counter()
-    warm_start_folder(config, out / "sft", log)
-    timings["warm start (SFT)"] = time.perf_counter() - mark
-    log(f"warm start done in {timings['warm start (SFT)']:.0f}s")
-
-    mark = time.perf_counter()
-    trained, history = train_arm(config, out / "sft", out / "rl")
-    timings["RL"] = time.perf_counter() - mark
-    log(f"RL done in {timings['RL']:.0f}s")
-
-    mark = time.perf_counter()
-    tasks = held_out_by_size(config)
-    policies = {"warm start": ClonePolicy.from_pretrained(out / "sft"), "RL": trained}
-    decisions = {name: measure(config, policy, tasks) for name, policy in policies.items()}
-    with open(out / "decisions.jsonl", "w") as file:
-        file.writelines(json.dumps({"policy": name, **asdict(d)}) + "\n"
-                        for name, rows in decisions.items() for d in rows)
-    timings["decisions"] = time.perf_counter() - mark
-    log(f"decisions measured in {timings['decisions']:.0f}s")
+    with timed(timings, "warm start (SFT)", log):
+        warm_start_folder(config, out / "sft", log)
+    with timed(timings, "RL", log):
+        trained, history = train_arm(config, out / "sft", out / "rl")
+    with timed(timings, "decisions", log):
+        tasks = held_out_by_size(config)
+        policies = {"warm start": ClonePolicy.from_pretrained(out / "sft"), "RL": trained}
+        decisions = {name: measure(config, policy, tasks) for name, policy in policies.items()}
+        with open(out / "decisions.jsonl", "w") as file:
+            file.writelines(json.dumps({"policy": name, **asdict(d)}) + "\n"
+                            for name, rows in decisions.items() for d in rows)
 
     summary = {**summarize(config, decisions, history), "timings": timings}
     (out / "results.json").write_text(json.dumps(summary, indent=2))

@@ -38,6 +38,7 @@ import json
 import shutil
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +144,15 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
+@contextmanager
+def timed(timings: dict[str, float], phase: str, log=say):
+    """Time the block into ``timings[phase]`` and say how long it took."""
+    mark = time.perf_counter()
+    yield
+    timings[phase] = time.perf_counter() - mark
+    log(f"{phase} done in {timings[phase]:.0f}s")
+
+
 def warm_start_folder(config: TrainConfig, folder: Path, log=say) -> Path:
     """The warm-start policy saved in ``folder``: trained by SFT from a fresh model, or copied
     from ``warm_start.policy`` when that names an earlier one (with its ``sft.jsonl``)."""
@@ -178,37 +188,26 @@ def run(config: TrainConfig, log=say) -> dict:
         torch.set_num_threads(config.trainer.cpu_threads)
 
     start = time.perf_counter()
-    warm_start_folder(config, out / "sft", log)
-    timings["warm start (SFT)"] = time.perf_counter() - start
-    log(f"warm start done in {timings['warm start (SFT)']:.0f}s")
-
-    mark = time.perf_counter()
-    clones, clones_history = train_arm(config, out / "sft", out / "clones")
-    timings["GRPO, clones"] = time.perf_counter() - mark
-    log(f"arm A (clones) done in {timings['GRPO, clones']:.0f}s")
-
-    mark = time.perf_counter()
+    with timed(timings, "warm start (SFT)", log):
+        warm_start_folder(config, out / "sft", log)
+    with timed(timings, "GRPO, clones", log):
+        clones, clones_history = train_arm(config, out / "sft", out / "clones")
     twin = monolithic_twin(config)
-    mono, mono_history = train_arm(twin, out / "sft", out / "monolithic", monolithic_view(config))
-    timings["GRPO, monolithic"] = time.perf_counter() - mark
-    log(f"arm B (monolithic) done in {timings['GRPO, monolithic']:.0f}s")
+    with timed(timings, "GRPO, monolithic", log):
+        mono, mono_history = train_arm(twin, out / "sft", out / "monolithic", monolithic_view(config))
 
-    mark = time.perf_counter()
-    sft = ClonePolicy.from_pretrained(out / "sft")
-    tasks = evaluation_splits(config, settings)["in-distribution"]
-    heldout = {
-        "clones": held_out(config, clones, tasks, settings).difference(held_out(config, sft, tasks, settings)),
-        "monolithic": held_out(twin, mono, _view(config, tasks), settings).difference(
-            held_out(twin, sft, _view(config, tasks), settings)),
-    }
-    (out / "heldout.json").write_text(json.dumps(heldout, indent=2))
-    timings["held-out reward"] = time.perf_counter() - mark
+    with timed(timings, "held-out reward", log):
+        sft = ClonePolicy.from_pretrained(out / "sft")
+        tasks = evaluation_splits(config, settings)["in-distribution"]
+        heldout = {
+            "clones": held_out(config, clones, tasks, settings).difference(held_out(config, sft, tasks, settings)),
+            "monolithic": held_out(twin, mono, _view(config, tasks), settings).difference(
+                held_out(twin, sft, _view(config, tasks), settings)),
+        }
+        (out / "heldout.json").write_text(json.dumps(heldout, indent=2))
     log(f"held-out reward: {json.dumps(heldout)}")
-
-    mark = time.perf_counter()
-    results = evaluate_arms(config, settings, sft, clones, mono, out / "eval")
-    timings["evaluation"] = time.perf_counter() - mark
-    log(f"evaluation done in {timings['evaluation']:.0f}s")
+    with timed(timings, "evaluation", log):
+        results = evaluate_arms(config, settings, sft, clones, mono, out / "eval")
 
     timings["total"] = time.perf_counter() - start
     report = write_repro_report(out, config, twin, settings, results, heldout, clones_history,
