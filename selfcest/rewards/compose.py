@@ -9,8 +9,9 @@
    case-insensitive ``Answer:`` and that generated more than ``format_tokens`` tokens is
    malformed (reference threshold: 192);
 4. gives node rewards: the root gets ``score``; a clone gets ``clone_scale * score``
-   (the reference math reward uses 0.4, the others 1.0), or ``malformed_clone_reward`` (0)
-   when malformed.
+   (the reference math reward uses 0.4, the others 1.0), or, with ``clone_reward="own"``,
+   ``clone_scale`` times the score of its own answer against what its task source says it
+   should answer; ``malformed_clone_reward`` (0) when malformed.
 
 ``info`` carries ``task_score``, the scorer's own components, each ``cost/<term>`` and
 ``cost/total``.
@@ -19,14 +20,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from selfcest.protocol import ANSWER_MARKER
 from selfcest.rewards.base import RewardResult, TaskScorer, final_turn_text
 from selfcest.rewards.cost import CostConfig, cost_terms, shape
 from selfcest.task import Task
-from selfcest.tree import CloneTree
+from selfcest.tasks import TASKS
+from selfcest.tree import CloneTree, Node
 
 # The reference's format threshold: a clone may think this many tokens without an answer.
 DEFAULT_FORMAT_TOKENS = 192
@@ -56,8 +58,17 @@ class ComposedReward:
     clone_scale: float = 1.0  # a well-formed clone's reward is clone_scale * score
     malformed_clone_reward: float = 0.0  # reward of a malformed clone
 
+    # "tree": a well-formed clone's reward is clone_scale * the tree's score (the reference);
+    # "own": clone_scale * the scorer's score of the clone's own answer against what its
+    # task source says it should answer (`TaskSource.clone_answer`; the tree's score where
+    # the source does not say). Only credit strategies that read node rewards (ratio,
+    # sibling) see the difference.
+    clone_reward: str = "tree"
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "cost", CostConfig.from_value(self.cost))
+        if self.clone_reward not in ("tree", "own"):
+            raise ValueError(f"clone_reward must be 'tree' or 'own', got {self.clone_reward!r}")
 
     def __call__(self, tree: CloneTree, task: Task) -> RewardResult:
         task_score = self.scorer(final_turn_text(tree), task)
@@ -73,10 +84,21 @@ class ComposedReward:
         for clone in tree.clones():
             well_formed = clone.id not in malformed
             node_rewards[clone.id] = (
-                self.clone_scale * score if well_formed else self.malformed_clone_reward
+                self.clone_scale * self._clone_score(clone, task, score) if well_formed
+                else self.malformed_clone_reward
             )
         info = {"task_score": task_score.score, **task_score.info, **terms, "cost/total": penalty}
         return RewardResult(score, task_score.correct, node_rewards, malformed, info)
+
+
+    def _clone_score(self, clone: Node, task: Task, tree_score: float) -> float:
+        source = TASKS.get(task.source)
+        if self.clone_reward == "tree" or source is None or source.clone_answer is None:
+            return tree_score
+        expected = source.clone_answer(task, clone.context_keys)
+        if expected is None:
+            return tree_score
+        return self.scorer(clone.final_text, replace(task, answer=expected)).score
 
 
 def make_reward(

@@ -35,7 +35,7 @@ from __future__ import annotations
 import inspect
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from selfcest.tasks.arithmetic import load_arithmetic
 from selfcest.tasks.chain_sum_teacher import ChainSumTeacher
 from selfcest.tasks.gym import load_gym
 from selfcest.tasks.io import MalformedRowError, load_jsonl, write_jsonl
-from selfcest.tasks.keyed_sum import inline_view, load_keyed_sum
+from selfcest.tasks.keyed_sum import inline_view, keys_answer, load_keyed_sum
 from selfcest.tasks.keyed_sum_teacher import KeyedSumTeacher
 from selfcest.tasks.math import load_aime_split, load_math_hard
 from selfcest.tasks.multihop import load_2wiki, load_musique
@@ -88,11 +88,14 @@ class TaskSource:
     monolithic_view: Callable[[Task], Task] | None = None
     # What the clone arm's root sees, in a sentence for reports ("" if nothing to say).
     clone_view: str = ""
+    # The answer a clone handed these context keys of a task should give (None: the task
+    # does not say), for rewards that score each clone on its own job.
+    clone_answer: Callable[[Task, Sequence[str]], str | None] | None = None
 
 
 TASKS: dict[str, TaskSource] = {
     "keyed_sum": TaskSource(
-        load_keyed_sum, monolithic_view=inline_view,
+        load_keyed_sum, monolithic_view=inline_view, clone_answer=keys_answer,
         clone_view="the clone arm's root sees the keys only and reads a list through a clone; "
                    "the monolithic twin gets the lists printed in its prompt"),
     "arithmetic": TaskSource(load_arithmetic),

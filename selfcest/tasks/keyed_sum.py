@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -157,6 +158,17 @@ def keyed_sum_splits(
         test=tasks(in_dist[n_train:], train, "test"),
         ood=tasks(out_dist, ood, "ood"),
     )
+
+
+def keys_answer(task: Task, keys: Sequence[str]) -> str | None:
+    """What a clone handed ``keys`` should answer: the total of those lists (modulo the
+    task's modulus); None without keys or with a key the task does not hold."""
+    sums = task.metadata["sums"]
+    if not keys or any(key not in sums for key in keys):
+        return None
+    modulus = task.metadata["config"]["modulus"]
+    total = sum(sums[key] for key in keys)
+    return str(total % modulus if modulus else total)
 
 
 def inline_view(task: Task) -> Task:

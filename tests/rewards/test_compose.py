@@ -1,10 +1,15 @@
 import pytest
 from reward_tree_builders import node, returned, said, single_turn, tree_of
 
+from selfcest.budget import Budget
+from selfcest.rewards.arithmetic import arithmetic_reward
 from selfcest.rewards.base import TaskScore
 from selfcest.rewards.compose import make_reward, malformed_clones
 from selfcest.rewards.cost import CostConfig
 from selfcest.task import Task
+from selfcest.tasks.keyed_sum import KeyedSumConfig, keyed_sum_tasks
+from selfcest.tasks.keyed_sum_teacher import KeyedSumTeacher
+from selfcest.train.traces import teacher_trees
 from selfcest.tree import Spawn
 
 TASK = Task("t", "q", "7")
@@ -75,3 +80,20 @@ def test_options_off():
 def test_cost_given_as_a_mapping():
     reward = make_reward(exact, {"root_length": None, "spawn_calls": None, "per_clone": 0.5})
     assert reward(tree_with_clones(("Answer: 1", 5)), TASK).score == pytest.approx(0.5)
+
+
+def test_own_clone_rewards_score_each_clone_on_the_keys_it_was_handed(tiny_policy):
+    """A keyed_sum tree the teacher solved, one clone's answer then made wrong: with
+    clone_reward="own" that clone alone gets 0; with "tree" every clone gets the tree's score."""
+    (task,) = keyed_sum_tasks(1, seed=3, config=KeyedSumConfig(num_keys=4, list_len=3, max_value=3))
+    budget = Budget(node_generation=256, tree_generation=2048, node_context=512, max_depth=2)
+    (tree,) = teacher_trees([task], KeyedSumTeacher(branching=(4,)), tiny_policy.protocol, budget)
+    wrong = tree.clones()[1]
+    wrong.final_text = "Answer: 99"
+    own = arithmetic_reward(cost=None, clone_reward="own")(tree, task)
+    shared = arithmetic_reward(cost=None)(tree, task)
+    assert own.score == shared.score == 1.0
+    assert {n: r for n, r in own.node_rewards.items() if r != 1.0} == {wrong.id: 0.0}
+    assert set(shared.node_rewards.values()) == {1.0}
+    with pytest.raises(ValueError, match="clone_reward"):
+        arithmetic_reward(clone_reward="mine")

@@ -2,7 +2,13 @@ import re
 
 import pytest
 
-from selfcest.tasks.keyed_sum import KeyedSumConfig, keyed_sum_splits, keyed_sum_tasks, load_keyed_sum
+from selfcest.tasks.keyed_sum import (
+    KeyedSumConfig,
+    keyed_sum_splits,
+    keyed_sum_tasks,
+    keys_answer,
+    load_keyed_sum,
+)
 
 
 def numbers(task):
@@ -128,3 +134,10 @@ def test_sizes_give_each_number_of_keys_its_own_disjoint_splits():
     assert not {t.prompt for t in train} & {t.prompt for t in test}
     ood = load_keyed_sum("ood", n_ood=7, sizes=[2, 5], ood={**shape, "num_keys": 9})
     assert [len(t.context) for t in ood] == [9] * 7
+
+
+def test_a_clones_answer_is_the_total_of_the_keys_it_holds():
+    (task,) = keyed_sum_tasks(1, seed=2, config=KeyedSumConfig(num_keys=3, modulus=10))
+    sums = numbers(task)
+    assert keys_answer(task, ["L1", "L3"]) == str((sum(sums["L1"]) + sum(sums["L3"])) % 10)
+    assert keys_answer(task, []) is None and keys_answer(task, ["L9"]) is None
