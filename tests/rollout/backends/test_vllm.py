@@ -291,6 +291,8 @@ def test_requests_it_cannot_serve_faithfully_are_refused(synced):
         generate_all(backend, [(prompt, 4, [], SamplingParams(temperature=1.0, top_p=0.9), 0)])
     with pytest.raises(ValueError, match="max_model_len"):
         generate_all(backend, [(prompt, backend.max_model_len, [], GREEDY, 0)])
+    with pytest.raises(ValueError, match="banned_token_ids"):
+        generate_all(backend, [(prompt, 4, [], SamplingParams(banned_token_ids=(1,)), 0)])
     # Greedy decoding ignores truncation, so it is served (with untruncated logprobs).
     plain = generate_all(backend, [(prompt, 4, [], GREEDY, 0)])[0]
     greedy_top_p = generate_all(backend, [(prompt, 4, [], SamplingParams(temperature=0, top_p=0.5), 0)])[0]
