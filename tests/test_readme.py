@@ -12,6 +12,7 @@ marked ``paper``, with the other README runs.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import string
@@ -82,7 +83,10 @@ QUICKSTART = commands(readme_blocks("## Quickstart")[0])
 
 def make_dry_run(target: str) -> str:
     """The last command ``make <target>`` would run (after the install it may need first)."""
-    done = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, check=True)
+    # Run from `make test` itself, make would add "Entering/Leaving directory" lines.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    done = subprocess.run(["make", "-n", "--no-print-directory", target], cwd=REPO, capture_output=True,
+                          text=True, check=True, env=env)
     return done.stdout.splitlines()[-1]
 
 
