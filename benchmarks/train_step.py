@@ -4,8 +4,9 @@ practical limit.
 1. A few `GRPOTrainer` steps on keyed_sum: time per phase (rollout, scoring, training,
    sync), tokens/s, padding fraction.
 2. The update alone on a realistic set of clone trees (teacher demonstrations: roots with
-   several clones each, so lengths vary), against a plain forward+backward over the same
-   tokens packed without padding into full rows (the practical limit on this hardware),
+   several clones each, so lengths vary) under three batchings (one sample per row, cut for
+   a pass overhead of 512 or 32 tokens; packed rows), and a plain forward+backward over the
+   same tokens packed into full rows without masks (the practical limit on this hardware),
    measured in the same run, alternating, best of several repeats.
 
     python benchmarks/train_step.py [--sizes tiny medium] [--repeats 5]
@@ -42,6 +43,7 @@ def trainer_for(size: str, output_dir: str) -> GRPOTrainer:
     config.trainer.prompts_per_step = 8
     config.trainer.trees_per_prompt = 4
     config.trainer.tokens_per_micro_batch = 8192
+    config.trainer.pass_overhead_tokens = 32  # as configs/trainer/cpu.yaml
     config.trainer.output_dir = output_dir
     config.log.progress = False
     return build_trainer(config, reward_fn=length_reward)
@@ -89,7 +91,13 @@ def packed_forward_backward(model, tokens: int, row_length: int, vocab: int) -> 
     return time.perf_counter() - start
 
 
+# The batching settings the update is timed under: (trainer.pass_overhead_tokens, trainer.packing).
+BATCHINGS = {"rows, overhead 512": (512, False), "rows, overhead 32": (32, False), "packed": (32, True)}
+
+
 def update_vs_limit(trainer: GRPOTrainer, trees, repeats: int) -> dict[str, float]:
+    """The update on ``trees`` under each of `BATCHINGS` (alternating, best of ``repeats``
+    each), against the packed-without-masks limit."""
     from selfcest.algo.advantages import compute_advantages
     from selfcest.train.batching import samples_from_trees
 
@@ -97,20 +105,25 @@ def update_vs_limit(trainer: GRPOTrainer, trees, repeats: int) -> dict[str, floa
     tokens = sum(s.length for s in samples)
     longest = max(s.length for s in samples)
     vocab = trainer.policy.model.config.vocab_size
-    ours, limit = [], []
+    seconds = {name: [] for name in [*BATCHINGS, "limit"]}
+    results: dict[str, float] = {"samples": len(samples), "tokens": tokens}
+    settings = trainer.config.trainer
+    chosen = settings.pass_overhead_tokens, settings.packing
     for _ in range(repeats):
-        start = time.perf_counter()
-        metrics = trainer.train_on_trees(trees)
-        ours.append(time.perf_counter() - start)
-        limit.append(packed_forward_backward(trainer.policy.model, tokens, longest, vocab))
-    return {
-        "samples": len(samples),
-        "tokens": tokens,
-        "padding_frac": metrics["train/padding_frac"],
-        "update_s": min(ours),
-        "packed_limit_s": min(limit),
-        "efficiency (limit / update)": min(limit) / min(ours),
-    }
+        for name, (settings.pass_overhead_tokens, settings.packing) in BATCHINGS.items():
+            start = time.perf_counter()
+            metrics = trainer.train_on_trees(trees)
+            seconds[name].append(time.perf_counter() - start)
+            results[f"padding_frac ({name})"] = metrics["train/padding_frac"]
+            results[f"micro_batches ({name})"] = metrics["train/micro_batches"]
+        seconds["limit"].append(packed_forward_backward(trainer.policy.model, tokens, longest, vocab))
+    settings.pass_overhead_tokens, settings.packing = chosen
+    baseline = min(seconds["rows, overhead 512"])
+    for name in BATCHINGS:
+        results[f"update_s ({name})"] = min(seconds[name])
+        results[f"ratio to rows, overhead 512 ({name})"] = min(seconds[name]) / baseline
+    results["packed_limit_s"] = min(seconds["limit"])
+    return results
 
 
 def main() -> None:

@@ -273,8 +273,9 @@ class ClonePolicy:
         return [logp[row, 1 : len(seq)].cpu() for row, seq in enumerate(sequences)]
 
 
-def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     temperature: float = 1.0,
+                     position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Input-aligned logprobs ``[batch, T]`` of ``input_ids`` under ``model``'s logits /
     temperature (`selfcest.algo.losses.token_logprobs`: position 0 holds 0), and those tempered
     logits. The one forward pass every logprob of selfcest comes from: training, warm start,
@@ -282,12 +283,48 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
     Position ids come from the attention mask, so every row of a padded batch sees the
     positions it had when it was sampled alone (that is what makes these logprobs agree with
-    the backends' sampled ones).
+    the backends' sampled ones). Packed rows (`selfcest.train.batching.collate`) pass no
+    mask and their own ``position_ids``, which restart at 0 for every sample; transformers
+    keeps the samples apart from those (`supports_packing`).
     """
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    if attention_mask is not None:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    elif position_ids is None:
+        raise ValueError("forward_logprobs needs an attention mask or, for packed rows, position ids")
+    # No KV cache: nothing is decoded after this pass, and transformers only separates
+    # packed samples when no cache is passed.
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits
     logits = logits / temperature
     return token_logprobs(logits, input_ids), logits
+
+
+@torch.no_grad()
+def supports_packing(model) -> bool:
+    """Whether ``model`` keeps packed samples apart: the logits of a sample packed after
+    another equal those of the same sample packed after different tokens (and alone).
+
+    transformers' attention masks do this for models built on its mask utilities when no
+    attention mask and no cache are passed; a model that ignores the position ids would let
+    a sample attend to its row neighbour, and packed training would be silently wrong.
+    """
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(0)
+    # Ids below 100 exist in any vocabulary.
+    first, other, second = (torch.randint(0, 100, (n,), generator=generator) for n in (5, 5, 6))
+    device = next(model.parameters()).device
+    positions = torch.cat([torch.arange(5), torch.arange(6)])[None].to(device)
+    try:
+        packed = [forward_logprobs(model, torch.cat([head, second])[None].to(device), None,
+                                   position_ids=positions)[1][0, 5:].float()
+                  for head in (first, other)]
+        alone = forward_logprobs(model, second[None].to(device), torch.ones(1, 6, dtype=torch.long,
+                                 device=device))[1][0].float()
+    finally:
+        model.train(was_training)
+    scale = alone.abs().max().clamp(min=1.0)
+    return all(bool(((p - alone).abs().max() / scale) < 1e-2) for p in packed)
 
 
 def add_protocol_tokens(model, tokenizer, tokens: tuple[str, ...]) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,29 @@ def test_gradient_mass_of_a_tree_with_eight_clones_and_one_without(mode, split):
 
 def test_the_default_aggregation_weighs_every_tree_the_same():
     assert train_config().algo.loss.aggregation == "tree_mean" == LossConfig().aggregation
+
+
+def test_grpo_plain_is_the_textbook_group_normalised_token_mean_grpo():
+    """algo=grpo_plain: A = (r - mean) / (sample std + 1e-4) for every tree, ties kept (A = 0),
+    every completion token of the batch weighing the same."""
+    from selfcest.algo.advantages import compute_advantages
+    from selfcest.tree import CloneTree, Node
+
+    algo = train_config("algo=grpo_plain").algo
+    trees = []
+    for task_index, rewards in enumerate([[1.0, 0.0, 0.5, 0.5], [0.3, 0.3, 0.3, 0.3]]):
+        for sample, reward in enumerate(rewards):
+            tree = CloneTree(task_id=str(task_index), task_index=task_index, sample_index=sample)
+            tree.add(Node(id="0", parent_id=None, depth=0, objective=None, prompt_ids=[1]))
+            tree.reward, tree.correct, tree.info["malformed_nodes"] = reward, False, []
+            trees.append(tree)
+    advantages = compute_advantages(trees, algo.credit)
+    std = statistics.stdev([1.0, 0.0, 0.5, 0.5])
+    expected = [(r - 0.5) / (std + 1e-4) for r in [1.0, 0.0, 0.5, 0.5]] + [0.0] * 4
+    assert [a["0"] for a in advantages.per_tree] == pytest.approx(expected)
+    assert all(advantages.keep)
+    assert aggregation_weights([3, 1, 4], [0, 0, 1], algo.loss.aggregation) == pytest.approx([1 / 8] * 3)
+    assert (algo.loss.kl_coef, algo.loss.clip_low, algo.loss.clip_high, algo.loss.dual_clip) == (0, 0.2, 0.2, None)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,10 @@
 One `TrainingSample` per node: the node's full context, trained only on the tokens it
 sampled. Samples are grouped into micro-batches by a **token budget** (rows x longest row),
 not by a row count, after sorting by length so rows of one micro-batch have similar lengths
-and padding stays small. A training step runs a **fixed** number of optimizer steps
+and padding stays small. With **packing** (`trainer.packing`, off by default), several samples share a
+row: each keeps its own positions (0, 1, ...) and transformers' attention masks keep them
+apart (`selfcest.policy.supports_packing` checks that a model does), so only row ends are
+padded. A training step runs a **fixed** number of optimizer steps
 (`split_for_optimizer_steps`), however many clones the trees hold.
 
 Alignment: every per-token list and tensor here is *input-aligned*, as in
@@ -165,10 +168,72 @@ def make_micro_batches(
     return alone + runs[::-1]
 
 
-def padding_fraction(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]]) -> float:
-    """Share of padded positions: ``1 - real tokens / sum(rows x longest row)``."""
-    padded = sum(len(b) * max(lengths[i] for i in b) for b in micro_batches if b)
-    real = sum(lengths[i] for b in micro_batches for i in b)
+def packed_micro_batches(lengths: Sequence[int], max_tokens_per_micro_batch: int) -> list[list[int]]:
+    """Group sample indices for packed rows of `packing_width` tokens; each micro-batch holds
+    at most ``max_tokens_per_micro_batch // width`` rows, so its padded size (rows x width)
+    fits the budget.
+
+    Samples are placed first-fit into rows, longest first (first-fit decreasing: few rows,
+    hence little padding), and consecutive rows form a micro-batch. A micro-batch is its
+    rows' samples in row order, the order `pack_rows` cuts back into (at most) those rows.
+    A sample longer than the budget gets a micro-batch of its own, as in `make_micro_batches`.
+    """
+    budget = max_tokens_per_micro_batch
+    if budget < 1:
+        raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    alone = [[i] for i in order if lengths[i] > budget]
+    width = packing_width(lengths, budget)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in (i for i in order if lengths[i] <= budget):
+        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            room.append(width)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    per_batch = budget // width if width else 1
+    batches = [sum(rows[k : k + per_batch], []) for k in range(0, len(rows), per_batch)]
+    return alone + batches
+
+
+def packing_width(lengths: Sequence[int], max_tokens_per_micro_batch: int) -> int:
+    """Row width of packed micro-batches: the longest sample that fits the budget (a row must
+    hold any one sample), or the longest sample if none fits."""
+    fitting = [n for n in lengths if n <= max_tokens_per_micro_batch]
+    return max(fitting or lengths or [0])
+
+
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Cut positions ``0..len(lengths)-1``, in order, into rows of at most ``width`` tokens:
+    a sample joins the current row if it fits, else starts the next one (a sample longer than
+    ``width`` gets a row of its own). Keeping the order, this greedy cut uses the fewest rows,
+    so it never needs more rows than the packing `packed_micro_batches` made."""
+    rows: list[list[int]] = []
+    used = width
+    for position, n in enumerate(lengths):
+        if used + n > width or not rows:
+            rows.append([])
+            used = 0
+        rows[-1].append(position)
+        used += n
+    return rows
+
+
+def padding_fraction(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]],
+                     pack_width: int | None = None) -> float:
+    """Share of padded positions: ``1 - real tokens / sum(rows x longest row)``; with
+    ``pack_width``, rows are the packed rows `collate` builds."""
+    padded = real = 0
+    for batch in micro_batches:
+        if not batch:
+            continue
+        sizes = [lengths[i] for i in batch]
+        rows = [[k] for k in range(len(sizes))] if pack_width is None else pack_rows(sizes, pack_width)
+        padded += len(rows) * max(sum(sizes[k] for k in row) for row in rows)
+        real += sum(sizes)
     return 1.0 - real / padded if padded else 0.0
 
 
@@ -212,38 +277,81 @@ def split_for_optimizer_steps(
 
 @dataclass
 class MicroBatch:
-    """Right-padded tensors of one micro-batch; per-token tensors are ``[rows, T]``."""
+    """Right-padded tensors of one micro-batch; per-token tensors are ``[rows, T]``.
+
+    Unpacked, row r is sample r. Packed, a row holds several samples one after the other,
+    each with its own positions from 0, and no attention mask: transformers then lets a
+    token attend only within its own sample (detected from where positions restart).
+    """
 
     input_ids: torch.Tensor  # long; pad_token_id after each row's end
-    attention_mask: torch.Tensor  # long; 1 on real tokens
+    position_ids: torch.Tensor  # long; every sample counts from 0 (padding too)
+    attention_mask: torch.Tensor | None  # long, 1 on real tokens; None when packed
     loss_mask: torch.Tensor  # float; 1 on sampled tokens (never on padding)
     old_logprobs: torch.Tensor  # float32; 0 off the loss mask
-    advantages: torch.Tensor  # float32 [rows]; one per sample
+    advantages: torch.Tensor  # float32; each token its sample's advantage, 0 on padding
     # float32; the sample's aggregation weight on its sampled tokens, 0 elsewhere, so
     # (loss_per_token * token_weights).sum() is this micro-batch's share of the step's loss.
     token_weights: torch.Tensor
+    # Where each sample lies, in input order: (row, first column, length).
+    spans: list[tuple[int, int, int]]
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        return MicroBatch(**{name: t.to(device) for name, t in vars(self).items()})
+        moved = {name: value.to(device) if isinstance(value, torch.Tensor) else value
+                 for name, value in vars(self).items()}
+        return MicroBatch(**moved)
+
+    def per_sample(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Each sample's slice of a per-token ``[rows, T]`` tensor, in input order."""
+        return [values[row, start : start + n] for row, start, n in self.spans]
+
+    def place(self, per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The inverse of `per_sample`: a ``[rows, T]`` float32 tensor, 0 off the samples."""
+        out = torch.zeros(self.input_ids.shape, dtype=torch.float32, device=self.input_ids.device)
+        for (row, start, n), values in zip(self.spans, per_sample):
+            out[row, start : start + n] = values.to(out.device)
+        return out
 
 
 def collate(
-    samples: Sequence[TrainingSample], weights: Sequence[float], pad_token_id: int = 0
+    samples: Sequence[TrainingSample],
+    weights: Sequence[float],
+    pad_token_id: int = 0,
+    pack_width: int | None = None,
 ) -> MicroBatch:
-    """Right-pad samples to the longest one; ``weights`` from `aggregation_weights`."""
+    """Right-pad samples into rows; ``weights`` from `aggregation_weights`.
+
+    One sample per row, padded to the longest, unless ``pack_width`` is given: then samples
+    share rows of up to that many tokens (`pack_rows`, in the given order).
+    """
     if len(samples) != len(weights):
         raise ValueError(f"{len(samples)} samples but {len(weights)} weights")
-    rows, width = len(samples), max(s.length for s in samples)
-    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, width), dtype=torch.long)
-    loss_mask = torch.zeros((rows, width), dtype=torch.float32)
-    old_logprobs = torch.zeros((rows, width), dtype=torch.float32)
-    for row, sample in enumerate(samples):
-        n = sample.length
-        input_ids[row, :n] = torch.tensor(sample.input_ids, dtype=torch.long)
-        attention_mask[row, :n] = 1
-        loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
-        old_logprobs[row, :n] = torch.tensor(sample.old_logprobs, dtype=torch.float32)
-    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    token_weights = loss_mask * torch.tensor(weights, dtype=torch.float32)[:, None]
-    return MicroBatch(input_ids, attention_mask, loss_mask, old_logprobs, advantages, token_weights)
+    lengths = [s.length for s in samples]
+    rows = [[k] for k in range(len(samples))] if pack_width is None else pack_rows(lengths, pack_width)
+    width = max(sum(lengths[k] for k in row) for row in rows)
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    loss_mask = torch.zeros(shape, dtype=torch.float32)
+    old_logprobs = torch.zeros(shape, dtype=torch.float32)
+    advantages = torch.zeros(shape, dtype=torch.float32)
+    token_weights = torch.zeros(shape, dtype=torch.float32)
+    spans: list[tuple[int, int, int]] = [(0, 0, 0)] * len(samples)
+    for r, row in enumerate(rows):
+        start = 0
+        for k in row:
+            sample, end = samples[k], start + lengths[k]
+            spans[k] = (r, start, lengths[k])
+            input_ids[r, start:end] = torch.tensor(sample.input_ids, dtype=torch.long)
+            position_ids[r, start:end] = torch.arange(lengths[k])
+            attention_mask[r, start:end] = 1
+            loss_mask[r, start:end] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+            old_logprobs[r, start:end] = torch.tensor(sample.old_logprobs, dtype=torch.float32)
+            advantages[r, start:end] = sample.advantage
+            token_weights[r, start:end] = loss_mask[r, start:end] * weights[k]
+            start = end
+        # Padding counts from 0 as a sample of its own, so no real token attends to it.
+        position_ids[r, start:] = torch.arange(width - start)
+    return MicroBatch(input_ids, position_ids, None if pack_width is not None else attention_mask,
+                      loss_mask, old_logprobs, advantages, token_weights, spans)

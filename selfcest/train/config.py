@@ -224,6 +224,16 @@ class TrainerConfig:
     prompts_per_step: int = setting(8, help="distinct prompts (tasks) per step, over all processes")
     trees_per_prompt: int = setting(4, help="trees sampled per prompt: the GRPO group size (>= 2)")
     tokens_per_micro_batch: int = setting(8192, help="padded tokens (rows x longest row) one micro-batch may hold")
+    pass_overhead_tokens: int = setting(512, help=(
+        "what one more forward/backward pass costs, in tokens: micro-batches are cut to minimise "
+        "padded tokens + this per pass (selfcest.train.batching.make_micro_batches); a few hundred "
+        "on a GPU, about 0-150 measured on a CPU, where configs/trainer/cpu.yaml uses 32"))
+    packing: bool = setting(False, help=(
+        "pack several samples into each row (each keeps its own positions; the attention keeps "
+        "them apart), so only row ends are padded. Off by default: on a CPU the attention's "
+        "masks over packed rows cost more than the padding saved (benchmarks/train_step.py); "
+        "for attention kernels that skip masked blocks. A model whose attention cannot "
+        "separate packed samples is refused at start"))
     optimizer_steps_per_step: int = setting(1, help="optimizer steps per training step, whatever the number of clones")
     lr: float = setting(1e-4, help="AdamW peak learning rate")
     weight_decay: float = setting(0.0, help="AdamW weight decay")
@@ -233,7 +243,8 @@ class TrainerConfig:
     max_grad_norm: float = setting(1.0, help="gradient-norm clip (0 = off)")
     seed: int = setting(0, help="seed of the task order, of every rollout and of the global RNGs")
     output_dir: str = setting("runs/default", help="where checkpoints, metrics and sampled trees go")
-    save_every: int = setting(0, help="save a checkpoint every N steps (0 = only at the end)")
+    save_every: int = setting(0, help="save a checkpoint every N steps (0 = none before the end)")
+    save_final: bool = setting(True, help="save a checkpoint after the last step (false: only the save_every ones)")
     keep_checkpoints: int = setting(2, help="checkpoints kept (oldest removed first)")
     resume: str = setting("false", help="false; true (the latest checkpoint in output_dir, if any); or a checkpoint path")
     eval_every: int = setting(0, help="evaluate on the held-out tasks every N steps (0 = never)")
@@ -243,7 +254,7 @@ class TrainerConfig:
         _at_least(self, 1, "steps", "prompts_per_step", "tokens_per_micro_batch", "optimizer_steps_per_step",
                   "keep_checkpoints")
         _at_least(self, 0, "lr", "save_every", "warmup_steps", "eval_every", "max_grad_norm", "weight_decay",
-                  "cpu_threads")
+                  "cpu_threads", "pass_overhead_tokens")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
                 f"must be two numbers in [0, 1); got {self.betas}")
         require(is_number(self.trees_per_prompt) and self.trees_per_prompt >= 2, "trees_per_prompt",

@@ -6,10 +6,16 @@ Only the main process logs. Metric names are flat strings with "/" groups, e.g.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import time
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from selfcest.rewards.base import reward_components
 from selfcest.tree import CloneTree
@@ -38,6 +44,32 @@ def tree_metrics(tree: CloneTree) -> dict[str, float]:
         "tree/errors": float(tree.root.finish_reason == "error"),
         **reward_components(tree),
     }
+
+
+class PhaseTimer:
+    """Seconds spent in each phase of an update, summed over its micro-batches and logged as
+    ``time/<phase>`` (forward, reference, backward, optimizer).
+
+    On a GPU each phase ends with a synchronize: without it a phase would be charged with
+    kernels that the one before it only launched.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.synchronize = torch.device(device).type == "cuda"
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.synchronize:
+                torch.cuda.synchronize()
+            self.seconds[phase] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
 
 
 class RunLogger:

@@ -40,7 +40,8 @@ from tqdm.auto import tqdm
 from selfcest.algo.advantages import compute_advantages
 from selfcest.algo.credit import CREDIT
 from selfcest.algo.losses import combine_stats, per_token_loss, token_entropy
-from selfcest.policy import ClonePolicy, forward_logprobs
+from selfcest.configure import ConfigError
+from selfcest.policy import ClonePolicy, forward_logprobs, supports_packing
 from selfcest.rewards.base import RewardFn, progress_summary, score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.hf import HFBackend
@@ -52,6 +53,8 @@ from selfcest.train.batching import (
     TrainingSample,
     collate,
     make_micro_batches,
+    packed_micro_batches,
+    packing_width,
     padding_fraction,
     samples_from_trees,
     split_for_optimizer_steps,
@@ -64,7 +67,7 @@ from selfcest.train.distributed import (
     mean_over_processes,
     sum_over_processes,
 )
-from selfcest.train.logging import RunLogger, tree_metrics
+from selfcest.train.logging import PhaseTimer, RunLogger, tree_metrics
 from selfcest.train.schedule import lr_lambda
 from selfcest.train.sharding import full_weights, is_sharded
 from selfcest.tree import CloneTree
@@ -123,6 +126,10 @@ class GRPOTrainer:
         model = policy.model
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if trainer.packing and not supports_packing(model):
+            raise ConfigError(
+                "trainer.packing: this model lets packed samples attend to each other (its "
+                "attention ignores where position ids restart); set trainer.packing=false")
         device = acc.device
         # Built before sharding, from full weights: the KL reference, and the model rollouts
         # decode with. Under FSDP the latter is a copy of its own (see sharding.py).
@@ -229,7 +236,8 @@ class GRPOTrainer:
                     progress.set_postfix(progress_summary(metrics))
                 if trainer.save_every and self.state.step % trainer.save_every == 0:
                     self.save()
-            if not trainer.save_every or self.state.step % trainer.save_every:
+            saved = trainer.save_every and self.state.step % trainer.save_every == 0
+            if trainer.save_final and not saved:
                 self.save()
         finally:
             if progress is not None:
@@ -301,14 +309,21 @@ class GRPOTrainer:
     def _update(self, samples: list[TrainingSample]) -> dict[str, float]:
         trainer, acc = self.config.trainer, self.accelerator
         lengths = [s.length for s in samples]
-        micro = make_micro_batches(lengths, trainer.tokens_per_micro_batch)
+        # Packed rows are as wide as the longest sample; unpacked, each sample is a row.
+        width = packing_width(lengths, trainer.tokens_per_micro_batch) if trainer.packing else None
+        if width is None:
+            micro = make_micro_batches(lengths, trainer.tokens_per_micro_batch,
+                                       pass_overhead_tokens=trainer.pass_overhead_tokens)
+        else:
+            micro = packed_micro_batches(lengths, trainer.tokens_per_micro_batch)
+        timer = PhaseTimer(self.accelerator.device)
         trainable = [s.num_trainable for s in samples]
         plan = split_for_optimizer_steps(micro, trainer.optimizer_steps_per_step, trainable)
         algo = self.config.algo
         # Kept stale samples need old logprobs under the current weights: the truncated
         # importance weight compares them with the logprobs the tokens were sampled under.
         recompute = algo.recompute_old_logprobs or algo.stale_samples == "correct"
-        proximal = self._proximal_logprobs(samples, micro) if recompute else None
+        proximal = self._proximal_logprobs(samples, micro, width) if recompute else None
         # Tree ids made unique across processes for tree_mean aggregation.
         tree_ids = [s.tree_id * acc.num_processes + acc.process_index for s in samples]
         stats, grad_norms, trained_tokens, updates = [], [], 0, 0
@@ -333,14 +348,15 @@ class GRPOTrainer:
                 with contextlib.nullcontext() if sync else acc.no_sync(self.model):
                     rows = [samples[i] for i in batch]
                     old = [proximal[i] for i in batch] if proximal is not None else None
-                    stats.append(self._backward(rows, [weight_of[i] for i in batch], old))
+                    stats.append(self._backward(rows, [weight_of[i] for i in batch], old, width, timer))
                     trained_tokens += sum(samples[i].length for i in batch)
-            if trainer.max_grad_norm:
-                norm = acc.clip_grad_norm_(self.params, trainer.max_grad_norm)
-                grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            with timer("optimizer"):
+                if trainer.max_grad_norm:
+                    norm = acc.clip_grad_norm_(self.params, trainer.max_grad_norm)
+                    grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
             updates += 1
         elapsed = time.perf_counter() - start
         counted = [s for s in stats if s["tokens"]]
@@ -352,13 +368,15 @@ class GRPOTrainer:
             "train/micro_batches": len(micro),
             "throughput/train_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
         }))
-        metrics.update(mean_over_processes(self.accelerator, {"train/padding_frac": padding_fraction(lengths, micro)}))
+        metrics.update(mean_over_processes(self.accelerator, {
+            "train/padding_frac": padding_fraction(lengths, micro, width), **timer.metrics()}))
         metrics["train/optimizer_steps"] = updates
         metrics["train/grad_norm"] = statistics.fmean(grad_norms) if grad_norms else 0.0
         return metrics
 
     @torch.no_grad()
-    def _proximal_logprobs(self, samples: list[TrainingSample], micro: list[list[int]]) -> list[torch.Tensor]:
+    def _proximal_logprobs(self, samples: list[TrainingSample], micro: list[list[int]],
+                           width: int | None) -> list[torch.Tensor]:
         """Logprobs of every sample under the current weights, once, before any update: the
         proximal policy of decoupled PPO (the sampled logprobs become behaviour logprobs).
         The rollout model holds exactly those weights and needs no collective."""
@@ -366,18 +384,20 @@ class GRPOTrainer:
         self.rollout_model.eval()
         for batch in micro:
             rows = [samples[i] for i in batch]
-            mb = collate(rows, [0.0] * len(rows), self.policy.tokenizer.pad_token_id).to(self.accelerator.device)
+            mb = collate(rows, [0.0] * len(rows), self.policy.tokenizer.pad_token_id, width).to(self.accelerator.device)
             logp, _ = self._logprobs(self.rollout_model, mb)
-            for row, i in enumerate(batch):
-                out[i] = logp[row, : samples[i].length].float().cpu()
+            for i, values in zip(batch, mb.per_sample(logp)):
+                out[i] = values.float().cpu()
         return out
 
     def _logprobs(self, model, mb) -> tuple[torch.Tensor, torch.Tensor]:
         """Input-aligned logprobs of the sampling distribution (logits / temperature), and
         the tempered logits."""
-        return forward_logprobs(model, mb.input_ids, mb.attention_mask, self.config.rollout.temperature or 1.0)
+        return forward_logprobs(model, mb.input_ids, mb.attention_mask, self.config.rollout.temperature or 1.0,
+                                position_ids=mb.position_ids)
 
-    def _backward(self, batch: list[TrainingSample], weights: list[float], proximal) -> dict[str, float]:
+    def _backward(self, batch: list[TrainingSample], weights: list[float], proximal,
+                  width: int | None, timer: PhaseTimer) -> dict[str, float]:
         loss_config = self.config.algo.loss
         if not batch:
             # Nothing to learn on this process, but the others all-reduce gradients: take part
@@ -385,20 +405,22 @@ class GRPOTrainer:
             dummy = torch.full((1, 1), self.policy.tokenizer.pad_token_id, device=self.accelerator.device)
             self.accelerator.backward(self.model(input_ids=dummy).logits.sum() * 0.0)
             return {"tokens": 0}
-        mb = collate(batch, weights, self.policy.tokenizer.pad_token_id).to(self.accelerator.device)
-        logp, logits = self._logprobs(self.model, mb)
-        entropy = token_entropy(logits) if loss_config.entropy_coef > 0 else None
-        ref = self._reference_logprobs(mb) if loss_config.kl_coef > 0 else None
-        old, behaviour = mb.old_logprobs, None
-        if proximal is not None:
-            old = torch.zeros_like(mb.old_logprobs)
-            for row, values in enumerate(proximal):
-                old[row, : values.numel()] = values.to(old.device)
-            behaviour = mb.old_logprobs
-        loss_per_token, stats = per_token_loss(logp, old, mb.advantages, mb.loss_mask, loss_config,
-                                               ref_logprobs=ref, entropy=entropy,
-                                               behaviour_logprobs=behaviour)
-        self.accelerator.backward((loss_per_token * mb.token_weights).sum())
+        mb = collate(batch, weights, self.policy.tokenizer.pad_token_id, width).to(self.accelerator.device)
+        ref = None
+        if loss_config.kl_coef > 0:
+            with timer("reference"):
+                ref = self._reference_logprobs(mb)
+        with timer("forward"):
+            logp, logits = self._logprobs(self.model, mb)
+            entropy = token_entropy(logits) if loss_config.entropy_coef > 0 else None
+            old, behaviour = mb.old_logprobs, None
+            if proximal is not None:
+                old, behaviour = mb.place(proximal), mb.old_logprobs
+            loss_per_token, stats = per_token_loss(logp, old, mb.advantages, mb.loss_mask, loss_config,
+                                                   ref_logprobs=ref, entropy=entropy,
+                                                   behaviour_logprobs=behaviour)
+        with timer("backward"):
+            self.accelerator.backward((loss_per_token * mb.token_weights).sum())
         return stats
 
     @torch.no_grad()

@@ -3,8 +3,12 @@ clones, resume is exact."""
 
 from __future__ import annotations
 
+import copy
+import os
 import random
 import statistics
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -14,6 +18,7 @@ from helpers import DEMO_CONTEXT, overfit
 from selfcest.algo.advantages import Advantages
 from selfcest.algo.credit import counterfactual_reruns
 from selfcest.budget import Budget
+from selfcest.configure import ConfigError
 from selfcest.policy import ClonePolicy, LoraSettings
 from selfcest.protocol import SpawnRequest
 from selfcest.rewards.base import RewardResult, progress_summary, score_trees
@@ -22,7 +27,7 @@ from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.task import Task
 from selfcest.train.batching import samples_from_trees
 from selfcest.train.config import TrainConfig
-from selfcest.train.logging import read_metrics
+from selfcest.train.logging import PhaseTimer, read_metrics
 from selfcest.train.setup import build_policy, build_trainer
 from selfcest.train.trainer import GRPOTrainer
 
@@ -125,7 +130,7 @@ def test_injected_and_prompt_tokens_get_exactly_zero_gradient(spawning_policy, d
 
     hook = policy.model.get_output_embeddings().register_forward_hook(keep_logits)
     try:
-        trainer._backward([sample], [1.0], None)
+        trainer._backward([sample], [1.0], None, None, PhaseTimer("cpu"))
     finally:
         hook.remove()
         policy.model.zero_grad(set_to_none=True)
@@ -320,3 +325,95 @@ def test_a_lora_run_trains_every_adapter_and_the_protocol_token_embeddings(tmp_p
     assert any("trainable_tokens_delta" in n for n in trainable)
     assert not [n for n in trainable if torch.equal(before[n], after[n])]
     assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
+
+
+def test_packed_rows_train_exactly_as_one_sample_per_row(tmp_path, spawning_policy, demo_task):
+    """The same trees (roots and clones of different lengths) give the same update packed
+    and unpacked, with less padding packed: packed samples see only themselves."""
+    tasks = [demo_task, Task("short", "Hi.", "0", {})]  # short roots: two share a packed row
+    trees = spawning_policy.engine(Budget(max_depth=1, node_generation=16), SamplingParams()).rollout(tasks, 4)
+    for i, tree in enumerate(trees):
+        tree.reward, tree.correct, tree.info["malformed_nodes"] = float(i % 4), False, []
+    results = {}
+    for packing in (False, True):
+        policy = ClonePolicy(copy.deepcopy(spawning_policy.model), spawning_policy.tokenizer,
+                             spawning_policy.protocol)
+        config = small_config(tmp_path / str(packing), packing=packing, lr=1e-2)
+        config.algo.loss.kl_coef = 0.1  # the reference forward packs too
+        trainer = build_trainer(config, policy=policy, train_tasks=tasks)
+        # The gradient the optimizer is handed (Adam's first step is about sign(g) * lr, so
+        # the updated weights would magnify float noise on near-zero gradients).
+        gradients, step = {}, trainer.optimizer.step
+
+        def record_gradients(*args, model=policy.model, gradients=gradients, step=step, **kwargs):
+            gradients.update({n: p.grad.clone() for n, p in model.named_parameters()})
+            return step(*args, **kwargs)
+
+        trainer.optimizer.step = record_gradients
+        results[packing] = trainer.train_on_trees(trees), gradients
+        trainer.close()
+    (unpacked, plain_grads), (packed, packed_grads) = results[False], results[True]
+    assert packed["train/padding_frac"] < unpacked["train/padding_frac"]
+    assert packed["loss/kl_ref"] == pytest.approx(unpacked["loss/kl_ref"], rel=1e-4, abs=1e-7)
+    assert packed["loss/pg_loss"] == pytest.approx(unpacked["loss/pg_loss"], rel=1e-4, abs=1e-7)
+    for name, grad in plain_grads.items():
+        assert grad.abs().max() > 0, name
+        assert torch.allclose(packed_grads[name], grad, rtol=1e-4, atol=1e-6 * grad.abs().max()), name
+
+
+def test_a_model_that_lets_packed_samples_meet_is_refused(tmp_path):
+    """A model whose attention ignores where positions restart would train packed samples
+    on their neighbours' tokens: the trainer refuses it and names the setting."""
+    config = small_config(tmp_path, packing=True)
+    policy = build_policy(config)
+    forward = policy.model.forward
+
+    def causal_over_the_whole_row(*args, position_ids=None, attention_mask=None, **kwargs):
+        return forward(*args, **kwargs)
+
+    policy.model.forward = causal_over_the_whole_row
+    with pytest.raises(ConfigError, match="trainer.packing=false"):
+        build_trainer(config, policy=policy)
+    config.trainer.packing = False
+    build_trainer(config, policy=policy).close()
+
+
+def test_the_update_is_timed_by_phase_and_the_final_save_can_be_skipped(tmp_path):
+    config = small_config(tmp_path, steps=2, save_final=False)
+    config.algo.loss.kl_coef = 0.1
+    trainer = build_trainer(config)
+    history = trainer.train()
+    trainer.close()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    for metrics in history:
+        phases = [metrics[f"time/{p}"] for p in ("forward", "reference", "backward", "optimizer")]
+        assert all(seconds > 0 for seconds in phases)
+        assert sum(phases) <= metrics["time/training"]
+
+
+def test_two_processes_with_one_seed_train_bitwise_the_same(tmp_path):
+    """The whole run, in fresh processes with different hash seeds (so nothing may depend on
+    set order or object ids): the same sampled tokens, metrics and final weights, bit for bit."""
+    reward_file = tmp_path / "digit_reward.py"
+    # A factory, so the task group's reward_params (cost: null) have somewhere to go.
+    reward_file.write_text(DIGIT_REWARD + "\n\ndef digits(**params):\n    return reward\n")
+
+    def run(name: str, hash_seed: str) -> tuple[bytes, list[dict]]:
+        out = tmp_path / name
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        subprocess.run(
+            [sys.executable, "-m", "selfcest.train", "model=tiny", "trainer.steps=2", "trainer.lr=1e-2",
+             "trainer.prompts_per_step=4", f"task.reward={reward_file}:digits", "log.progress=false",
+             "log.trees_every=1", "rollout.budget.node_generation=24", f"trainer.output_dir={out}"],
+            check=True, env=env, capture_output=True, cwd=tmp_path)
+        weights = (out / "checkpoints" / "step_000002" / "model.safetensors").read_bytes()
+        rows = [{k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
+                for row in read_metrics(out / "metrics.jsonl")]
+        trees = [(out / "trees" / f.name).read_text() for f in sorted((out / "trees").iterdir())]
+        return weights, rows, trees
+
+    first, second = run("a", "1"), run("b", "2")
+    assert all(row["train/optimizer_steps"] == 1 for row in first[1]) and len(first[2]) == 2
+    assert first[1] == second[1]
+    assert first[2] == second[2]
+    assert first[0] == second[0]
