@@ -92,6 +92,20 @@ def test_branches_of_many_trees_share_batches(spawning_policy, demo_task):
     assert backend.batches == 3
 
 
+def test_without_spawning_a_spawn_call_costs_no_extra_decode(spawning_policy, demo_task):
+    """With max_depth=0 the policy's spawn call does not stop its row: every root decodes
+    in the one batch, one forward pass per token of the longest root, and nothing else."""
+    backend = spawning_policy.backend()
+    engine = RolloutEngine(backend, spawning_policy.protocol, Budget(max_depth=0, node_generation=40),
+                           SamplingParams())
+    trees = engine.rollout([demo_task], samples_per_task=4)
+    end = spawning_policy.protocol.spawn_stop_id
+    assert all(end in t.root.segments[0].token_ids for t in trees)  # each root wrote a call
+    assert all([s.kind for s in t.root.segments] == ["sampled"] for t in trees)
+    assert backend.batches == 1
+    assert backend.forward_passes == max(t.root.generated_tokens for t in trees)
+
+
 @pytest.mark.parametrize("policy_name", ["spawning_policy", "tiny_policy"])
 def test_seeded_rollouts_are_reproducible(policy_name, demo_task, request):
     policy = request.getfixturevalue(policy_name)
