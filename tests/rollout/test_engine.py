@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from selfcest.budget import Budget
-from selfcest.protocol import TokenProtocol, ToolCallProtocol
+from selfcest.protocol import PlainProtocol, TokenProtocol, ToolCallProtocol
 from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
@@ -79,6 +79,17 @@ def test_without_spawning_a_call_does_not_stop_the_node(tiny_policy, budget):
     assert tree.root.finish_reason == "eos" and tree.answer == ""
     (tree,), backend = run(tiny_policy, {"ROOT": ["Answer: 4"]}, budget)
     assert tree.answer == "4" and len(backend.calls) == 1
+
+
+def test_protocol_none_never_stops_on_a_spawn_token(tiny_policy):
+    """Protocol none has no spawn call: even on a vocabulary that holds the spawn tokens and
+    a budget that allows clones, the spawn-close token ends no call and no clone starts."""
+    plans = {"ROOT": ["<spawn>A</spawn> Answer: 3", "Answer: 4"]}
+    backend = ScriptedBackend(tiny_policy.tokenizer, Script(plans))
+    engine = RolloutEngine(backend, PlainProtocol(tiny_policy.tokenizer), Budget(max_depth=2))
+    (tree,) = engine.rollout([Task("t", "ROOT", "x", CONTEXT)])
+    assert len(backend.calls) == 1 and list(tree.nodes) == ["0"] and not tree.root.spawns
+    assert tree.root.finish_reason == "eos" and tree.answer == "3"
 
 
 def test_clones_per_spawn_and_per_tree(tiny_policy):
