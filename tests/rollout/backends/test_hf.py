@@ -283,3 +283,16 @@ def test_banned_tokens_are_never_drawn_and_keep_the_untruncated_logprobs():
             assert token == 1
     drawn = {sample_rows(logits, [SamplingParams()], [torch.Generator().manual_seed(s)])[0][0] for s in range(50)}
     assert 0 in drawn  # without the ban the favourite is drawn
+
+
+def test_greedy_batches_sort_nothing_and_draw_nothing(monkeypatch):
+    """An argmax needs no sorted distribution and no uniform: an all-greedy batch calls no
+    sort and leaves every generator as it was."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    generators = [torch.Generator().manual_seed(seed) for seed in range(3)]
+    states = [g.get_state() for g in generators]
+    monkeypatch.setattr(torch, "sort", None)
+    tokens, logprobs = sample_rows(logits, [SamplingParams(temperature=0)] * 3, generators)
+    assert tokens == logits.argmax(-1).tolist()
+    assert logprobs == torch.log_softmax(logits, -1).max(-1).values.tolist()
+    assert all(torch.equal(g.get_state(), state) for g, state in zip(generators, states))
