@@ -28,14 +28,14 @@ from transformers import (
 from selfcest.algo.losses import token_logprobs
 from selfcest.budget import Budget
 from selfcest.configure import setting
-from selfcest.protocol import Protocol, TokenProtocol, ToolCallProtocol
+from selfcest.protocol import PlainProtocol, Protocol, TokenProtocol, ToolCallProtocol
 from selfcest.rollout.backends.base import Backend, SamplingParams
 from selfcest.rollout.backends.hf import HFBackend
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
 from selfcest.tree import CloneTree
 
-PROTOCOLS: dict[str, type[Protocol]] = {"token": TokenProtocol, "tool": ToolCallProtocol}
+PROTOCOLS: dict[str, type[Protocol]] = {p.name: p for p in (TokenProtocol, ToolCallProtocol, PlainProtocol)}
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PROTOCOL_FILE = "selfcest_protocol.json"
 
@@ -138,11 +138,14 @@ class ClonePolicy:
         root_system: str | None = None,
         clone_system: str | None = None,
     ) -> ClonePolicy:
-        """A small random Qwen2 and an in-memory tokenizer; no file or network access."""
+        """A small random Qwen2 and an in-memory tokenizer; no file or network access.
+
+        The tokenizer holds both spawn protocols' tokens, unless ``protocol="none"``: then
+        no token is added."""
         if size not in SIZES:
             raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
         hidden, layers, heads, kv_heads, intermediate = SIZES[size]
-        tokenizer = build_tokenizer(vocab_size)
+        tokenizer = build_tokenizer(vocab_size, protocol_tokens=_protocol_class(protocol).has_spawn_calls)
         config = Qwen2Config(
             vocab_size=len(tokenizer),
             hidden_size=hidden,
@@ -172,7 +175,8 @@ class ClonePolicy:
     ) -> ClonePolicy:
         """Load a causal LM; add the protocol's tokens if the tokenizer lacks them.
 
-        ``protocol`` defaults to the one saved with the model, else ``"token"``. New token
+        ``protocol`` defaults to the one saved with the model, else ``"token"``; ``"none"``
+        needs no token and leaves the vocabulary as loaded. New token
         embeddings start at the mean embedding of the token's text pieces, so a pretrained
         model begins with a sensible guess of what ``</tool_call>`` means.
         """
@@ -186,7 +190,7 @@ class ClonePolicy:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        required = PROTOCOLS[protocol].required_tokens
+        required = _protocol_class(protocol).required_tokens
         add_protocol_tokens(model, tokenizer, required)
         if lora is not None:
             model = apply_lora(model, lora, tokenizer.convert_tokens_to_ids(list(required)))
@@ -222,7 +226,7 @@ class ClonePolicy:
         model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         meta = {
-            "protocol": "token" if isinstance(self.protocol, TokenProtocol) else "tool",
+            "protocol": self.protocol.name,
             "root_system": self.protocol.root_system,
             "clone_system": self.protocol.clone_system,
         }
@@ -366,7 +370,11 @@ def apply_lora(model, lora: LoraSettings | dict, trainable_tokens: list[int] | N
     return get_peft_model(model, config)
 
 
-def _make_protocol(name: str, tokenizer, root_system, clone_system) -> Protocol:
+def _protocol_class(name: str) -> type[Protocol]:
     if name not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {sorted(PROTOCOLS)}, got {name!r}")
-    return PROTOCOLS[name](tokenizer, root_system=root_system, clone_system=clone_system)
+    return PROTOCOLS[name]
+
+
+def _make_protocol(name: str, tokenizer, root_system, clone_system) -> Protocol:
+    return _protocol_class(name)(tokenizer, root_system=root_system, clone_system=clone_system)

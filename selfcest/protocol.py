@@ -1,6 +1,6 @@
 """The spawn/return grammar between a model and the rollout engine.
 
-Two protocols share one interface and produce the same trees:
+Two spawn protocols share one interface and produce the same trees:
 
 - `TokenProtocol`: dedicated special tokens, for models that learn the protocol by SFT.
   The model writes ``<spawn>objective<sep>objective</spawn>``; the backend stops on the
@@ -11,6 +11,9 @@ Two protocols share one interface and produce the same trees:
   </tool_call>`` rendered through the chat template's tool support (with a fallback for
   templates without it); answers come back as a tool message. This is what the paper's
   code uses with pretrained instruct models.
+
+`PlainProtocol` has no spawn grammar at all: the task as a chat turn, no added token, no node
+ever spawns. It is flat generation, for runs without clones (standard GRPO).
 
 Parsing model output is total: any text gives spawn requests or a `ProtocolError` with a
 reason the model is shown. Nothing is evaluated, nothing raises, nothing is dropped silently.
@@ -124,8 +127,12 @@ class Protocol(ABC):
 
     # --------------------------------------------------------------- to subclass
 
+    #: Its name in configs and saved policies (``model.protocol``).
+    name: str
     #: Tokens this protocol needs as single (special) tokens of the vocabulary.
     required_tokens: tuple[str, ...] = ()
+    #: Whether the grammar has spawn calls; without them no node ever spawns.
+    has_spawn_calls: bool = True
 
     @property
     @abstractmethod
@@ -254,6 +261,7 @@ class TokenProtocol(Protocol):
     """Spawn calls written with dedicated special tokens (for SFT-trained models)."""
 
     SPAWN, SEP, END, RETURN, RETURN_END = "<spawn>", "<sep>", "</spawn>", "<return>", "</return>"
+    name = "token"
     required_tokens = (SPAWN, SEP, END, RETURN, RETURN_END)
     KEY_REF = re.compile(r"@([A-Za-z0-9_][A-Za-z0-9_.\-]*)")
     BUDGET_REQ = re.compile(r"~\s*(\d{1,7})\s*$")
@@ -343,6 +351,7 @@ class ToolCallProtocol(Protocol):
     """Hermes-style ``<tool_call>`` JSON calling a ``spawn_clone`` tool (instruct models)."""
 
     CALL, CALL_END = "<tool_call>", "</tool_call>"
+    name = "tool"
     required_tokens = (CALL, CALL_END)
     TOOL_NAME = "spawn_clone"
     ARGUMENTS = ("objectives", "shared_context", "max_tokens")
@@ -552,6 +561,54 @@ class ToolCallProtocol(Protocol):
         ]
         _, before, after = self._framing(messages, slots=2)
         return self.encode(before), self.encode(after)
+
+
+class PlainProtocol(Protocol):
+    """No spawn grammar: the root answers the task in a plain chat turn (for flat GRPO).
+
+    It needs no token, so a model keeps the vocabulary it was loaded with; generation stops
+    on EOS only, and no node spawns whatever the budget allows. What only a spawn grammar has
+    (its tokens, rendering results, clone prompts) raises a `ValueError` that says so; parsing
+    is total as for every protocol and gives a `ProtocolError`.
+    """
+
+    name = "none"
+    has_spawn_calls = False
+
+    @property
+    def spawn_stop_id(self) -> int:
+        raise _no_spawn_calls("spawn-close token")
+
+    @property
+    def spawn_open_id(self) -> int:
+        raise _no_spawn_calls("spawn-open token")
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.eos_token_ids
+
+    def parse_text(self, text: str) -> ProtocolError:
+        return ProtocolError("this protocol has no spawn calls")
+
+    def render_results(self, results: Sequence[CloneResult], max_tokens: int, per_clone: int):
+        raise _no_spawn_calls("clone results")
+
+    def final_text(self, token_ids: Sequence[int]) -> str:
+        """The turn decoded without special tokens: with no spawn grammar every turn is text."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def _root_messages(self, task: Task) -> list[dict]:
+        return _with_system(self.root_system, task.prompt)
+
+    def _clone_user(self, request: SpawnRequest, context: Mapping[str, str]) -> str:
+        raise _no_spawn_calls("clone prompts")
+
+
+def _no_spawn_calls(what: str) -> ValueError:
+    return ValueError(
+        f"protocol 'none' has no spawn calls, so no {what}: load the policy with protocol "
+        "'token' or 'tool' to delegate"
+    )
 
 
 def _with_system(system: str | None, user: str) -> list[dict]:

@@ -43,7 +43,7 @@ def test_choices_given_as_strings_become_enum_members_or_fail_with_the_choices()
     validate(config)
     assert config.model.protocol is ProtocolName.tool
     config.model.protocol = "morse"
-    with pytest.raises(ConfigError, match=r"^model\.protocol must be one of token, tool; got 'morse'"):
+    with pytest.raises(ConfigError, match=r"^model\.protocol must be one of token, tool, none; got 'morse'"):
         validate(config)
 
 
@@ -52,6 +52,18 @@ def test_cross_section_checks_name_both_keys():
     config.algo.credit.strategy = "sibling"
     config.rollout.budget.max_depth = 0
     with pytest.raises(ConfigError, match=r"algo\.credit\.strategy=sibling needs clones.*max_depth=0"):
+        validate(config)
+
+
+def test_protocol_none_composes_and_refuses_credit_that_needs_clones():
+    """model.protocol=none is the string "none", not null; it spawns nothing whatever the
+    budget says, so the default max_depth passes, but credit over clones does not."""
+    register_schemas()
+    config = compose("train", ["model.protocol=none", "algo=grpo_plain"], TrainConfig)
+    assert config.model.protocol is ProtocolName.none and config.rollout.budget.max_depth > 0
+    config.algo.credit.strategy = "counterfactual"
+    with pytest.raises(ConfigError, match=r"^algo\.credit\.strategy=counterfactual needs clones, but "
+                                          r"model\.protocol=none .*use algo\.credit\.strategy=broadcast"):
         validate(config)
 
 

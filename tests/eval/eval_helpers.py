@@ -49,8 +49,7 @@ def delegation_script() -> Callable[[str], str]:
 
     The root (which sees only keys) spawns one clone per key and answers the sum of their
     returns; a clone sums the list it was handed; a root that reads the lists inline (see
-    `inline_view`) sums them itself. When the spawn is refused (spawning disabled), the root
-    answers "unknown".
+    `inline_view`) sums them itself. When the spawn is refused, the root answers "unknown".
     """
 
     def respond(text: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from selfcest.budget import Budget
-from selfcest.protocol import TokenProtocol, ToolCallProtocol
+from selfcest.protocol import PlainProtocol, TokenProtocol, ToolCallProtocol
 from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
@@ -65,8 +65,31 @@ def test_depth_limit(tiny_policy):
     assert sorted(tree.nodes) == ["0", "0.0"]
     assert returns_of(tree, "0.0") == ["<return>error: maximum clone depth 1 reached</return>"]
     assert tree.nodes["0.0"].spawns[0].errors == ["maximum clone depth 1 reached"]
-    (mono,), _ = run(tiny_policy, plans, Budget(max_depth=0))
-    assert list(mono.nodes) == ["0"] and "spawning is disabled" in returns_of(mono)[0]
+
+
+@pytest.mark.parametrize("budget", [Budget(max_depth=0), Budget(spawn_rounds=0), Budget(clones_per_tree=0)])
+def test_without_spawning_a_call_does_not_stop_the_node(tiny_policy, budget):
+    """No node can spawn: the spawn-close token ends no call, so the root writes its turn in
+    one backend call (no notice, no second decode), and a turn holding a call is no answer."""
+    plans = {"ROOT": ["<spawn>A</spawn> Answer: 3", "Answer: 4"]}
+    (tree,), backend = run(tiny_policy, plans, budget)
+    assert len(backend.calls) == 1 and list(tree.nodes) == ["0"]
+    assert [s.kind for s in tree.root.segments] == ["sampled"] and not tree.root.spawns
+    assert tree.root.last_turn_text() == "<spawn>A</spawn> Answer: 3<|im_end|>"
+    assert tree.root.finish_reason == "eos" and tree.answer == ""
+    (tree,), backend = run(tiny_policy, {"ROOT": ["Answer: 4"]}, budget)
+    assert tree.answer == "4" and len(backend.calls) == 1
+
+
+def test_protocol_none_never_stops_on_a_spawn_token(tiny_policy):
+    """Protocol none has no spawn call: even on a vocabulary that holds the spawn tokens and
+    a budget that allows clones, the spawn-close token ends no call and no clone starts."""
+    plans = {"ROOT": ["<spawn>A</spawn> Answer: 3", "Answer: 4"]}
+    backend = ScriptedBackend(tiny_policy.tokenizer, Script(plans))
+    engine = RolloutEngine(backend, PlainProtocol(tiny_policy.tokenizer), Budget(max_depth=2))
+    (tree,) = engine.rollout([Task("t", "ROOT", "x", CONTEXT)])
+    assert len(backend.calls) == 1 and list(tree.nodes) == ["0"] and not tree.root.spawns
+    assert tree.root.finish_reason == "eos" and tree.answer == "3"
 
 
 def test_clones_per_spawn_and_per_tree(tiny_policy):

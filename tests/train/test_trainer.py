@@ -19,7 +19,7 @@ from selfcest.algo.advantages import Advantages
 from selfcest.algo.credit import counterfactual_reruns
 from selfcest.budget import Budget
 from selfcest.configure import ConfigError
-from selfcest.policy import ClonePolicy, LoraSettings
+from selfcest.policy import ClonePolicy, LoraSettings, build_tokenizer
 from selfcest.protocol import SpawnRequest
 from selfcest.rewards.base import RewardResult, progress_summary, score_trees
 from selfcest.rollout.backends.base import SamplingParams
@@ -417,3 +417,27 @@ def test_two_processes_with_one_seed_train_bitwise_the_same(tmp_path):
     assert first[1] == second[1]
     assert first[2] == second[2]
     assert first[0] == second[0]
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8)])
+def test_protocol_none_trains_a_flat_step_on_the_loaded_vocabulary(tmp_path, lora):
+    """model.protocol=none (with the default max_depth): two steps train every trainable
+    parameter (LoRA's A only moves once B has), no tree spawns, no token is added and LoRA
+    trains no embedding row."""
+    config = small_config(tmp_path, steps=2, lr=1e-2)
+    config.model.protocol = "none"
+    config.model.lora = lora
+    trainer = build_trainer(config)
+    vocabulary = len(build_tokenizer(protocol_tokens=False))
+    assert len(trainer.policy.tokenizer) == vocabulary
+    assert trainer.policy.model.get_input_embeddings().weight.shape[0] == vocabulary
+    before = params_of(trainer.policy.model)
+    trainable = {n for n, p in trainer.policy.model.named_parameters() if p.requires_grad}
+    trees = trainer.engine(seed=0).rollout(trainer.train_tasks[:4], 4)
+    history = trainer.train()
+    trainer.close()
+    after = params_of(trainer.policy.model)
+    assert [h["train/optimizer_steps"] for h in history] == [1, 1]
+    assert not [n for n in trainable if torch.equal(before[n], after[n])]
+    assert not any("trainable_tokens" in n for n in trainable)
+    assert all(list(t.nodes) == ["0"] for t in trees)

@@ -17,6 +17,7 @@ batches full. vLLM is the engine for continuous batching.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -193,7 +194,13 @@ class HFBackend:
 def cache_argument(model) -> str:
     """Name of the KV-cache keyword: ``cache`` in newer transformers, ``past_key_values`` before."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+    return _cache_keyword(type(base))
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    # Reading a signature costs about as much as a forward pass of a tiny model: once per class.
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def sample_rows(
@@ -208,28 +215,38 @@ def sample_rows(
     """
     temperature = torch.tensor([s.temperature or 1.0 for s in samplings], device=logits.device)
     logp = torch.log_softmax(logits / temperature[:, None], dim=-1)
-    probs = logp.exp()
-    vocab = probs.shape[-1]
-    top_k = torch.tensor([s.top_k or vocab for s in samplings], device=logits.device)
-    top_p = torch.tensor([s.top_p for s in samplings], device=logits.device)
     banned = [(row, token) for row, s in enumerate(samplings) for token in s.banned_token_ids]
     if banned:
-        rows, columns = torch.tensor(banned, device=logits.device).T
-        probs = probs.index_put((rows, columns), torch.zeros((), device=logits.device))
-        logits = logits.index_put((rows, columns), torch.tensor(float("-inf"), device=logits.device))
+        banned_at = tuple(torch.tensor(banned, device=logits.device).T)
+        logits = logits.index_put(banned_at, torch.tensor(float("-inf"), device=logits.device))
+    greedy = [s.greedy for s in samplings]
+    if all(greedy):  # an argmax needs neither the sorted distribution nor a draw
+        tokens = logits.argmax(-1)
+    else:
+        probs = logp.exp()
+        if banned:
+            probs = probs.index_put(banned_at, torch.zeros((), device=logits.device))
+        tokens = _draw(probs, samplings, generators)
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), tokens)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    return tokens.tolist(), chosen.tolist()
+
+
+def _draw(probs: torch.Tensor, samplings: Sequence[SamplingParams], generators: Sequence[torch.Generator]):
+    """Inverse-CDF draws over each row's probabilities sorted in descending order, truncated
+    by the row's top-k and top-p; one uniform of the row's generator each."""
+    vocab = probs.shape[-1]
+    top_k = torch.tensor([s.top_k or vocab for s in samplings], device=probs.device)
+    top_p = torch.tensor([s.top_p for s in samplings], device=probs.device)
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
     if (top_k < vocab).any() or (top_p < 1).any():
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        ranks = torch.arange(vocab, device=probs.device)[None, :]
         # Keep the top_k most likely tokens and the smallest prefix whose mass reaches top_p
         # (the most likely token always stays).
         drop = (ranks >= top_k[:, None]) | (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None])
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     cdf = sorted_probs.cumsum(-1)
-    uniform = torch.stack([torch.rand((), generator=g) for g in generators]).to(logits.device)
+    uniform = torch.stack([torch.rand((), generator=g) for g in generators]).to(probs.device)
     ranks = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
-    tokens = order.gather(1, ranks).squeeze(1)
-    greedy = torch.tensor([s.greedy for s in samplings], device=logits.device)
-    if greedy.any():
-        tokens = torch.where(greedy, logits.argmax(-1), tokens)
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-    return tokens.tolist(), chosen.tolist()
+    return order.gather(1, ranks).squeeze(1)

@@ -11,7 +11,7 @@ import torch
 from selfcest.budget import Budget
 from selfcest.policy import forward_logprobs
 from selfcest.rollout.backends.base import SamplingParams
-from selfcest.rollout.backends.hf import HFBackend, sample_rows
+from selfcest.rollout.backends.hf import HFBackend, cache_argument, sample_rows
 from selfcest.rollout.engine import RolloutEngine
 
 
@@ -45,6 +45,86 @@ def test_sampled_logprobs_agree_with_a_separate_forward_pass(tiny_policy, sampli
         logp, _ = forward_logprobs(tiny_policy.model, full, torch.ones_like(full), temperature)
         expected = logp[0, len(prompt):]
         assert torch.allclose(expected, torch.tensor(completion.logprobs), atol=1e-4)
+
+
+def reference_draw(logits, sampling, generator):
+    """One row's token and logprob, the sampling contract spelled out: inverse-CDF over the
+    probabilities of logits / T sorted in descending order (after top-k, top-p and banned
+    tokens), one uniform draw of the row's generator; greedy rows take the argmax."""
+    logp = torch.log_softmax(logits / (sampling.temperature or 1.0), dim=-1)
+    probs = logp.exp()
+    vocab = probs.shape[-1]
+    if sampling.banned_token_ids:
+        banned = torch.tensor(sampling.banned_token_ids)
+        probs, logits = probs.index_fill(-1, banned, 0.0), logits.index_fill(-1, banned, float("-inf"))
+    if sampling.greedy:
+        token = logits.argmax(-1)
+        return token.item(), logp[token].item()
+    sorted_probs, order = torch.sort(probs[None], dim=-1, descending=True)
+    ranks = torch.arange(vocab)[None, :]
+    drop = (ranks >= (sampling.top_k or vocab)) | (sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p)
+    if sampling.top_k or sampling.top_p < 1:
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    cdf = sorted_probs.cumsum(-1)
+    uniform = torch.rand((), generator=generator)
+    rank = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
+    token = order.gather(1, rank)[0, 0]
+    return token.item(), logp[token].item()
+
+
+@torch.inference_mode()
+def reference_decode(model, pad_token_id, requests):
+    """The decode loop with nothing but what it needs: a left-padded prefill, then one forward
+    pass per step for the live rows (a finished row leaves the batch and the KV cache)."""
+    from transformers import DynamicCache
+
+    width = max(len(prompt) for prompt, _ in requests)
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p, _ in requests])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in requests])
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    generators = [torch.Generator().manual_seed(kw["seed"]) for _, kw in requests]
+    out = [([], []) for _ in requests]
+    live, cache = list(range(len(requests))), DynamicCache(config=model.config)
+    while True:
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                       logits_to_keep=1, **{cache_argument(model): cache}).logits[:, -1, :].float()
+        keep = []
+        for row, i in enumerate(live):
+            kw = requests[i][1]
+            token, logprob = reference_draw(logits[row], kw["sampling"], generators[i])
+            out[i][0].append(token)
+            out[i][1].append(logprob)
+            if token not in kw["stop_token_ids"] and len(out[i][0]) < kw["max_tokens"]:
+                keep.append(row)
+        if not keep:
+            return out
+        cache.batch_select_indices(torch.tensor(keep))
+        attention, positions = attention[keep], positions[keep]
+        ids = torch.tensor([[out[live[row]][0][-1]] for row in keep])
+        attention = torch.cat([attention, attention.new_ones((len(keep), 1))], dim=1)
+        positions = positions[:, -1:] + 1
+        live = [live[row] for row in keep]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(), SamplingParams(temperature=0), SamplingParams(temperature=0, banned_token_ids=(5,)),
+     SamplingParams(temperature=0.7, top_p=0.9, top_k=20, banned_token_ids=(5, 9))],
+)
+def test_decoding_is_bitwise_the_reference_loop(tiny_policy, sampling):
+    """Same seeds, same tokens and bitwise the same logprobs as the plain loop above, with
+    rows leaving the batch at different steps (own budgets, own stop tokens)."""
+    model = tiny_policy.model.eval()
+    backend = HFBackend(model, tiny_policy.tokenizer.pad_token_id)
+    free = generate_all(backend, [(p, dict(max_tokens=24, stop_token_ids=[], sampling=sampling, seed=i))
+                                  for i, p in enumerate(prompts(tiny_policy.tokenizer, 6))])
+    stops = [[c.token_ids[3 * i]] if i % 2 == 0 else [] for i, c in enumerate(free)]
+    requests = [(p, dict(max_tokens=3 + 2 * i, stop_token_ids=stops[i], sampling=sampling, seed=i))
+                for i, p in enumerate(prompts(tiny_policy.tokenizer, 6))]
+    completions = generate_all(backend, requests)
+    expected = reference_decode(model, tiny_policy.tokenizer.pad_token_id, requests)
+    assert {c.finish_reason for c in completions} == {"stop", "length"}
+    assert [(c.token_ids, c.logprobs) for c in completions] == expected
 
 
 def test_each_row_stops_on_its_own_stop_tokens_and_budget(tiny_policy):
@@ -90,6 +170,20 @@ def test_branches_of_many_trees_share_batches(spawning_policy, demo_task):
         assert [tree.nodes[c].answer for c in tree.root.children] == ["3", "7"]
     # 8 roots decode together, then their 16 clones together, then the 8 roots resume together.
     assert backend.batches == 3
+
+
+def test_without_spawning_a_spawn_call_costs_no_extra_decode(spawning_policy, demo_task):
+    """With max_depth=0 the policy's spawn call does not stop its row: every root decodes
+    in the one batch, one forward pass per token of the longest root, and nothing else."""
+    backend = spawning_policy.backend()
+    engine = RolloutEngine(backend, spawning_policy.protocol, Budget(max_depth=0, node_generation=40),
+                           SamplingParams())
+    trees = engine.rollout([demo_task], samples_per_task=4)
+    end = spawning_policy.protocol.spawn_stop_id
+    assert all(end in t.root.segments[0].token_ids for t in trees)  # each root wrote a call
+    assert all([s.kind for s in t.root.segments] == ["sampled"] for t in trees)
+    assert backend.batches == 1
+    assert backend.forward_passes == max(t.root.generated_tokens for t in trees)
 
 
 @pytest.mark.parametrize("policy_name", ["spawning_policy", "tiny_policy"])
@@ -189,3 +283,16 @@ def test_banned_tokens_are_never_drawn_and_keep_the_untruncated_logprobs():
             assert token == 1
     drawn = {sample_rows(logits, [SamplingParams()], [torch.Generator().manual_seed(s)])[0][0] for s in range(50)}
     assert 0 in drawn  # without the ban the favourite is drawn
+
+
+def test_greedy_batches_sort_nothing_and_draw_nothing(monkeypatch):
+    """An argmax needs no sorted distribution and no uniform: an all-greedy batch calls no
+    sort and leaves every generator as it was."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    generators = [torch.Generator().manual_seed(seed) for seed in range(3)]
+    states = [g.get_state() for g in generators]
+    monkeypatch.setattr(torch, "sort", None)
+    tokens, logprobs = sample_rows(logits, [SamplingParams(temperature=0)] * 3, generators)
+    assert tokens == logits.argmax(-1).tolist()
+    assert logprobs == torch.log_softmax(logits, -1).max(-1).values.tolist()
+    assert all(torch.equal(g.get_state(), state) for g, state in zip(generators, states))
