@@ -337,10 +337,9 @@ def run_worker(library: str, folder: Path, model: str, beta: float, steps: int, 
     python = sys.executable if library == "selfcest" else str(REPO / ".venv-trl/bin/python")
     result = log.with_suffix(".json")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    # The selfcest run imports this checkout; the TRL run must not see selfcest at all.
-    env.pop("PYTHONPATH", None)
-    if library == "selfcest":
-        env["PYTHONPATH"] = str(REPO)
+    if library == "trl":
+        # The TRL run must not see selfcest at all (.venv-trl does not install it).
+        env.pop("PYTHONPATH", None)
     command = [python, __file__, "--worker", library, "--folder", str(folder), "--model", model,
                "--beta", str(beta), "--steps", str(steps), "--threads", str(threads), "--out", str(result)]
     busy, own, start = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
