@@ -1,0 +1,94 @@
+"""benchmarks/vs_trl.py: the workload both libraries run (default suite), and the whole
+comparison at its shortest (marked ``trl``: needs .venv-trl, ``bash scripts/setup_trl_env.sh``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import pytest
+from helpers import REPO, shell
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from selfcest.cli import register_schemas
+from selfcest.configure import compose
+from selfcest.train.config import TrainConfig
+from selfcest.train.setup import build_trainer
+
+COMMAND = "python benchmarks/vs_trl.py"
+
+
+def load_benchmark():
+    """The benchmark script as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("vs_trl", REPO / "benchmarks/vs_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+vs_trl = load_benchmark()
+
+
+def test_reward_is_the_digit_share_plus_one_for_the_sum_as_a_whole_number():
+    assert vs_trl.reward("", "7") == 0.0
+    assert vs_trl.reward("no digits", "7") == 0.0
+    assert vs_trl.reward("12", "12") == 2.0
+    assert vs_trl.reward("It is 15.", "15") == pytest.approx(2 / 9 + 1)
+    assert vs_trl.reward("115", "15") == 1.0  # 15 inside 115 is not the sum
+    assert vs_trl.reward("7 and 8", "15") == pytest.approx(2 / 7)
+
+
+def test_prompts_are_64_additions_with_their_sums():
+    pairs = vs_trl.prompts()
+    assert len(pairs) == 64 and pairs == vs_trl.prompts()
+    for prompt, answer in pairs:
+        a, b = map(int, re.fullmatch(r"Add (\d+) and (\d+)\.", prompt).groups())
+        assert answer == str(a + b)
+
+
+def test_workload_folder_feeds_selfcest_the_prompts_and_tokens_trl_reads(tmp_path):
+    """The saved model has the stated size and no protocol tokens; selfcest's trainer, built
+    from the benchmark's overrides, draws each step the prompts TRL reads from the schedule,
+    and renders them to the token ids TRL's chat template gives."""
+    steps = 9  # past one epoch of the 64 prompts
+    vs_trl.build_workload(tmp_path, ["small"], steps)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "small")
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(1.25e6, rel=0.01)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "small")
+    assert "<spawn>" not in tokenizer.get_vocab() and tokenizer.chat_template
+    schedule = [json.loads(line) for line in (tmp_path / "schedule.jsonl").read_text().splitlines()]
+    assert len(schedule) == steps * vs_trl.PROMPTS_PER_STEP
+
+    register_schemas()
+    config = compose("train", vs_trl.selfcest_overrides(tmp_path, "small", 0.04, steps, tmp_path / "run"),
+                     TrainConfig)
+    assert config.algo.loss.aggregation == "token_mean" and config.algo.credit.std_normalize
+    assert config.algo.loss.kl_coef == 0.04 and config.rollout.budget.max_depth == 0
+    trainer = build_trainer(config)
+    try:
+        drawn = [task for _ in range(steps) for task in trainer.sampler.take(vs_trl.PROMPTS_PER_STEP)]
+        assert [(t.prompt, t.answer) for t in drawn] == [(r["prompt"], r["answer"]) for r in schedule]
+        for task in drawn[: vs_trl.PROMPTS_PER_STEP]:
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": task.prompt}],
+                                                 add_generation_prompt=True, tokenize=True, return_dict=True)
+            assert trainer.policy.protocol.root_prompt(task) == list(chat["input_ids"])
+    finally:
+        trainer.close()
+
+
+@pytest.mark.trl
+def test_benchmark_prints_the_ratio_rows_at_its_shortest(tmp_path):
+    """One pair of runs of two steps on the small model, both betas; load is not what this
+    checks, so no run is discarded for it."""
+    if not (REPO / ".venv-trl/bin/python").exists():
+        pytest.skip(".venv-trl is missing: run bash scripts/setup_trl_env.sh")
+    command = f"{COMMAND} --model small --steps 2 --pairs 1 --max-other-load inf --workdir {tmp_path}"
+    done = shell(command, REPO)
+    assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    number = r"\s+\d+\.\d+"
+    for beta in ("0.00", "0.04"):
+        assert re.search(rf"^small\s+{beta}{number * 3}", done.stdout, re.MULTILINE), done.stdout  # TRL, selfcest, ratio
+        for library in ("TRL", "selfcest"):
+            assert re.search(rf"^small\s+{beta}\s+{library}{number}", done.stdout, re.MULTILINE), done.stdout
+    assert "4 runs kept, 0 discarded" in done.stdout
