@@ -123,6 +123,7 @@ def update_vs_limit(trainer: GRPOTrainer, trees, repeats: int) -> dict[str, floa
         results[f"update_s ({name})"] = min(seconds[name])
         results[f"ratio to rows, overhead 512 ({name})"] = min(seconds[name]) / baseline
     results["packed_limit_s"] = min(seconds["limit"])
+    results["efficiency (limit / update, rows, overhead 32)"] = min(seconds["limit"]) / min(seconds["rows, overhead 32"])
     return results
 
 

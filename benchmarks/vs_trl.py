@@ -53,10 +53,6 @@ PROMPTS_PER_STEP = 8
 GROUP = 4
 MAX_NEW_TOKENS = 64
 LR = 1e-4
-# selfcest's spawn protocol. The one place it is set: `none` (no spawn grammar, no tokens
-# added to the vocabulary) once selfcest has it; until then `token`, which adds its 5 tokens
-# to the vocabulary and ends a turn on `</spawn>` too (spawning itself is off).
-SELFCEST_PROTOCOL = "token"
 PHASES = ("rollout", "scoring", "reference", "training", "forward", "backward", "optimizer")
 
 
@@ -124,9 +120,9 @@ def selfcest_overrides(folder: Path, model: str, beta: float, steps: int, out: P
     tasks = folder / "tasks.jsonl"
     return [
         "algo=grpo_plain", f"algo.loss.kl_coef={beta}",
-        "algo.credit.eps=1e-4",  # TRL divides by std + 1e-4
         "algo.loss.kl_clamp=1e9",  # TRL does not clamp the per-token KL
-        f"model.name={folder / model}", f"model.protocol={SELFCEST_PROTOCOL}",
+        # No spawn grammar: no tokens added to the vocabulary, no stop but EOS.
+        f"model.name={folder / model}", "model.protocol=none",
         "model.dtype=float32", "model.gradient_checkpointing=false",
         "task=jsonl", f"task.params.path={tasks}", f"task.eval_params.path={tasks}",
         "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0",

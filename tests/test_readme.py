@@ -44,6 +44,7 @@ COVERED = {
     "## Reproducing the paper's runs": ["bash", "bash"],  # experiments/test_paper_experiments.py
     "### Your own data": ["bash"],  # experiments/test_paper_experiments.py
     "## Development": ["bash"],  # test_development_*, test_*_benchmark_*
+    "### Against TRL": ["bash"],  # benchmarks/test_vs_trl.py (marked trl)
     "### Layout": [""],  # a file list
 }
 
@@ -255,7 +256,9 @@ def test_rollout_benchmark_runs_on_a_tiny_saved_policy(tmp_path):
 
 def test_train_step_benchmark_runs_at_its_smallest():
     printed = ok(f"{STEP_BENCH} --sizes tiny --steps 1 --repeats 1 --trees 4", REPO).stdout
-    assert "efficiency (limit / update)" in printed
+    for name in ("rows, overhead 512", "rows, overhead 32", "packed"):
+        assert f"padding_frac ({name})" in printed and f"ratio to rows, overhead 512 ({name})" in printed
+    assert "efficiency (limit / update, rows, overhead 32)" in printed
 
 
 # ----------------------------------------------------------------------------- Controller

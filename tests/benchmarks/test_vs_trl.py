@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from helpers import REPO, shell
+from helpers import REPO, commands, readme_blocks, shell
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfcest.cli import register_schemas
@@ -16,7 +16,8 @@ from selfcest.configure import compose
 from selfcest.train.config import TrainConfig
 from selfcest.train.setup import build_trainer
 
-COMMAND = "python benchmarks/vs_trl.py"
+# The README's lines: the environment's setup, then the benchmark.
+SETUP, COMMAND = commands(readme_blocks("### Against TRL")[0])
 
 
 def load_benchmark():
@@ -81,6 +82,7 @@ def test_workload_folder_feeds_selfcest_the_prompts_and_tokens_trl_reads(tmp_pat
 def test_benchmark_prints_the_ratio_rows_at_its_shortest(tmp_path):
     """One pair of runs of two steps on the small model, both betas; load is not what this
     checks, so no run is discarded for it."""
+    assert SETUP == "bash scripts/setup_trl_env.sh" and SETUP in (REPO / ".ci/run").read_text()
     if not (REPO / ".venv-trl/bin/python").exists():
         pytest.skip(".venv-trl is missing: run bash scripts/setup_trl_env.sh")
     command = f"{COMMAND} --model small --steps 2 --pairs 1 --max-other-load inf --workdir {tmp_path}"
