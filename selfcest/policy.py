@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -278,8 +279,8 @@ class ClonePolicy:
 
 
 def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                     temperature: float = 1.0,
-                     position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     temperature: float = 1.0, position_ids: torch.Tensor | None = None,
+                     from_position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Input-aligned logprobs ``[batch, T]`` of ``input_ids`` under ``model``'s logits /
     temperature (`selfcest.algo.losses.token_logprobs`: position 0 holds 0), and those tempered
     logits. The one forward pass every logprob of selfcest comes from: training, warm start,
@@ -290,17 +291,38 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     the backends' sampled ones). Packed rows (`selfcest.train.batching.collate`) pass no
     mask and their own ``position_ids``, which restart at 0 for every sample; transformers
     keeps the samples apart from those (`supports_packing`).
+
+    ``from_position``: only positions from there on are wanted (earlier logprobs are 0). The
+    output layer then skips the positions before it (transformers' ``logits_to_keep``, where
+    the model takes it): on prompt tokens, a large share of a big vocabulary's compute. The
+    logits returned are those of positions ``from_position - 1`` on (all when it is <= 1).
     """
     if attention_mask is not None:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     elif position_ids is None:
         raise ValueError("forward_logprobs needs an attention mask or, for packed rows, position ids")
+    skipped = max(from_position - 1, 0) if takes_logits_to_keep(model) else 0
     # No KV cache: nothing is decoded after this pass, and transformers only separates
     # packed samples when no cache is passed.
+    keep = {"logits_to_keep": input_ids.shape[1] - skipped} if skipped else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits
+                   use_cache=False, **keep).logits
     logits = logits / temperature
-    return token_logprobs(logits, input_ids), logits
+    return left_pad(token_logprobs(logits, input_ids[:, skipped:]), skipped), logits
+
+
+def left_pad(values: torch.Tensor, positions: int) -> torch.Tensor:
+    """``values`` of the last positions of a row, input-aligned again: ``positions`` zeros
+    in front (as `forward_logprobs` returns them; for `token_entropy` of its logits too)."""
+    return torch.nn.functional.pad(values, (positions, 0)) if positions else values
+
+
+def takes_logits_to_keep(model) -> bool:
+    """Whether the transformers model inside ``model`` (a DDP or peft wrapper's too) can leave
+    out leading positions' logits."""
+    inner = getattr(model, "module", model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return "logits_to_keep" in inspect.signature(type(inner).forward).parameters
 
 
 @torch.no_grad()

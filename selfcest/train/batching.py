@@ -301,6 +301,11 @@ class MicroBatch:
                  for name, value in vars(self).items()}
         return MicroBatch(**moved)
 
+    def first_trained_position(self) -> int:
+        """The first column where any row has a sampled token (the logprobs wanted start there)."""
+        trained = self.loss_mask.any(0).nonzero()
+        return int(trained[0]) if len(trained) else 0
+
     def per_sample(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Each sample's slice of a per-token ``[rows, T]`` tensor, in input order."""
         return [values[row, start : start + n] for row, start, n in self.spans]

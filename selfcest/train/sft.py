@@ -78,7 +78,8 @@ def sft_samples(trees: Sequence[CloneTree], spawner_repeats: int = 1) -> list[Tr
 def sft_loss(model, batch: MicroBatch) -> torch.Tensor:
     """Negative log-likelihood of the sampled tokens, weighted by ``batch.token_weights``
     (zero on prompt, return, notice and padding tokens, so those never get a gradient)."""
-    logprobs = forward_logprobs(model, batch.input_ids, batch.attention_mask, position_ids=batch.position_ids)[0]
+    logprobs = forward_logprobs(model, batch.input_ids, batch.attention_mask, position_ids=batch.position_ids,
+                                from_position=batch.first_trained_position())[0]
     return -(logprobs * batch.token_weights).sum()
 
 

@@ -41,7 +41,7 @@ from selfcest.algo.advantages import compute_advantages
 from selfcest.algo.credit import CREDIT
 from selfcest.algo.losses import combine_stats, per_token_loss, token_entropy
 from selfcest.configure import ConfigError
-from selfcest.policy import ClonePolicy, forward_logprobs, supports_packing
+from selfcest.policy import ClonePolicy, forward_logprobs, left_pad, supports_packing
 from selfcest.rewards.base import RewardFn, progress_summary, score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.hf import HFBackend
@@ -390,11 +390,17 @@ class GRPOTrainer:
                 out[i] = values.float().cpu()
         return out
 
-    def _logprobs(self, model, mb) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input-aligned logprobs of the sampling distribution (logits / temperature), and
-        the tempered logits."""
-        return forward_logprobs(model, mb.input_ids, mb.attention_mask, self.config.rollout.temperature or 1.0,
-                                position_ids=mb.position_ids)
+    def _logprobs(self, model, mb, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Input-aligned logprobs of the sampling distribution (logits / temperature) from the
+        micro-batch's first sampled token on, and, if asked, the entropy of each position's
+        distribution."""
+        first = mb.first_trained_position()
+        logp, logits = forward_logprobs(model, mb.input_ids, mb.attention_mask,
+                                        self.config.rollout.temperature or 1.0,
+                                        position_ids=mb.position_ids, from_position=first)
+        if not entropy:
+            return logp, None
+        return logp, left_pad(token_entropy(logits), logp.shape[1] - logits.shape[1])
 
     def _backward(self, batch: list[TrainingSample], weights: list[float], proximal,
                   width: int | None, timer: PhaseTimer) -> dict[str, float]:
@@ -411,8 +417,7 @@ class GRPOTrainer:
             with timer("reference"):
                 ref = self._reference_logprobs(mb)
         with timer("forward"):
-            logp, logits = self._logprobs(self.model, mb)
-            entropy = token_entropy(logits) if loss_config.entropy_coef > 0 else None
+            logp, entropy = self._logprobs(self.model, mb, entropy=loss_config.entropy_coef > 0)
             old, behaviour = mb.old_logprobs, None
             if proximal is not None:
                 old, behaviour = mb.place(proximal), mb.old_logprobs

@@ -134,8 +134,12 @@ def test_injected_and_prompt_tokens_get_exactly_zero_gradient(spawning_policy, d
     finally:
         hook.remove()
         policy.model.zero_grad(set_to_none=True)
-    grad = captured["logits"].grad[0]  # row t predicts token t + 1
-    predicts_sampled = torch.tensor(sample.loss_mask[1:] + [0], dtype=torch.bool)
+    # Row t of the logits predicts token t + 1; rows before the first sampled token's are
+    # never computed (logits_to_keep).
+    grad = captured["logits"].grad[0]
+    skipped = len(sample.loss_mask) - grad.shape[0]
+    assert skipped == sample.loss_mask.index(1) - 1
+    predicts_sampled = torch.tensor((sample.loss_mask[1:] + [0])[skipped:], dtype=torch.bool)
     assert grad[~predicts_sampled].abs().max() == 0  # prompt, return and padding: exactly zero
     assert (grad[predicts_sampled].abs().sum(-1) > 0).all()
 
