@@ -49,7 +49,7 @@ def time_trees(policy, tasks, batch_size: int):
     return time.perf_counter() - start, trees, backend
 
 
-def time_flat(policy, tasks, tokens_per_row: int) -> float:
+def time_flat(policy, tasks, tokens_per_row: int) -> tuple[float, HFBackend]:
     """One batch of root prompts, each generating ``tokens_per_row`` tokens (no stops)."""
     backend = HFBackend(policy.model, policy.tokenizer.pad_token_id, max_batch_size=len(tasks))
 
@@ -61,7 +61,7 @@ def time_flat(policy, tasks, tokens_per_row: int) -> float:
     start = time.perf_counter()
     asyncio.run(generate_all())
     assert backend.batches == 1
-    return time.perf_counter() - start
+    return time.perf_counter() - start, backend
 
 
 def main() -> None:
@@ -81,7 +81,8 @@ def main() -> None:
         elapsed, trees, backend = time_trees(policy, tasks, batch_size=256)
         tree_times.append(elapsed)
         generated = sum(t.costs().generated_tokens for t in trees)
-        flat_times.append(time_flat(policy, tasks, round(generated / len(tasks))))
+        elapsed, flat = time_flat(policy, tasks, round(generated / len(tasks)))
+        flat_times.append(elapsed)
         elapsed, serial, _ = time_trees(policy, tasks, batch_size=1)
         serial_times.append(elapsed)
     same = [tokens_of(a) == tokens_of(b) for a, b in zip(trees, serial)]
@@ -94,6 +95,11 @@ def main() -> None:
     print(f"flat, same tokens      {t_flat:7.2f} s   {generated / t_flat:8.0f} tokens/s")
     print(f"one branch at a time   {t_serial:7.2f} s   {generated / t_serial:8.0f} tokens/s")
     print(f"trees / flat = {t_tree / t_flat:.2f}x the time;  one-at-a-time / trees = {t_serial / t_tree:.1f}x")
+    # Where the trees' extra time goes (last repeat): each resumed node prefills its whole
+    # context again (no prefix cache), and waves decode fewer rows per pass than one batch.
+    for name, b in (("trees", backend), ("flat", flat)):
+        print(f"{name:5s}: {b.batches} batches, {b.forward_passes} forward passes, {b.prefill_tokens} "
+              f"prefilled tokens (padding included) in {b.prefill_seconds:.2f} s")
 
 
 if __name__ == "__main__":

@@ -252,6 +252,7 @@ def test_rollout_benchmark_runs_on_a_tiny_saved_policy(tmp_path):
     ClonePolicy.build_tiny(seed=0).save_pretrained(tmp_path / "policy")
     printed = ok(f"{ROLLOUT_BENCH} --policy {tmp_path / 'policy'} --tasks 2 --repeats 1", REPO).stdout
     assert "trees / flat =" in printed
+    assert re.search(r"^flat : 1 batches, \d+ forward passes, \d+ prefilled tokens", printed, re.MULTILINE)
 
 
 def test_train_step_benchmark_runs_at_its_smallest():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,9 +55,12 @@ class HFBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
-        # Counters for benchmarks and logs.
+        # Counters for benchmarks and logs: passes, batches, prompt tokens prefilled (padding
+        # included) and the seconds of the prefill passes.
         self.forward_passes = 0
         self.batches = 0
+        self.prefill_tokens = 0
+        self.prefill_seconds = 0.0
 
     # ------------------------------------------------------------------ async front
 
@@ -144,9 +148,14 @@ class HFBackend:
         cache = DynamicCache(config=model.config)
         cache_arg = cache_argument(model)
         self.batches += 1
+        self.prefill_tokens += input_ids.numel()
+        prefill_start = time.perf_counter()
         while True:
             out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                         use_cache=True, logits_to_keep=1, **{cache_arg: cache})
+            if prefill_start is not None:
+                self.prefill_seconds += time.perf_counter() - prefill_start
+                prefill_start = None
             self.forward_passes += 1
             logits = out.logits[:, -1, :].float()
             drawn, drawn_logprobs = sample_rows(
