@@ -99,7 +99,7 @@ def main() -> None:
     # context again (no prefix cache), and waves decode fewer rows per pass than one batch.
     for name, b in (("trees", backend), ("flat", flat)):
         print(f"{name:5s}: {b.batches} batches, {b.forward_passes} forward passes, {b.prefill_tokens} "
-              f"prefilled tokens (padding included) in {b.prefill_seconds:.2f} s")
+              f"prefilled tokens ({b.prefill_real_tokens} without padding) in {b.prefill_seconds:.2f} s")
 
 
 if __name__ == "__main__":

@@ -55,11 +55,12 @@ class HFBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
-        # Counters for benchmarks and logs: passes, batches, prompt tokens prefilled (padding
-        # included) and the seconds of the prefill passes.
+        # Counters for benchmarks and logs: passes, batches, prompt positions prefilled (with
+        # and without padding) and the seconds of the prefill passes.
         self.forward_passes = 0
         self.batches = 0
         self.prefill_tokens = 0
+        self.prefill_real_tokens = 0
         self.prefill_seconds = 0.0
 
     # ------------------------------------------------------------------ async front
@@ -149,6 +150,7 @@ class HFBackend:
         cache_arg = cache_argument(model)
         self.batches += 1
         self.prefill_tokens += input_ids.numel()
+        self.prefill_real_tokens += sum(len(r.prompt_ids) for r in requests)
         prefill_start = time.perf_counter()
         while True:
             out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
