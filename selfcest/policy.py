@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import inspect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from selfcest.budget import Budget
 from selfcest.configure import setting
 from selfcest.protocol import PlainProtocol, Protocol, TokenProtocol, ToolCallProtocol
 from selfcest.rollout.backends.base import Backend, SamplingParams
-from selfcest.rollout.backends.hf import HFBackend
+from selfcest.rollout.backends.hf import HFBackend, forward_parameters
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
 from selfcest.tree import CloneTree
@@ -320,9 +319,7 @@ def left_pad(values: torch.Tensor, positions: int) -> torch.Tensor:
 def takes_logits_to_keep(model) -> bool:
     """Whether the transformers model inside ``model`` (a DDP or peft wrapper's too) can leave
     out leading positions' logits."""
-    inner = getattr(model, "module", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    return "logits_to_keep" in inspect.signature(type(inner).forward).parameters
+    return "logits_to_keep" in forward_parameters(model)
 
 
 @torch.no_grad()

@@ -310,12 +310,13 @@ class GRPOTrainer:
         trainer, acc = self.config.trainer, self.accelerator
         lengths = [s.length for s in samples]
         # Packed rows are as wide as the longest sample; unpacked, each sample is a row.
-        width = packing_width(lengths, trainer.tokens_per_micro_batch) if trainer.packing else None
-        if width is None:
+        if trainer.packing:
+            width = packing_width(lengths, trainer.tokens_per_micro_batch)
+            micro = packed_micro_batches(lengths, trainer.tokens_per_micro_batch)
+        else:
+            width = None
             micro = make_micro_batches(lengths, trainer.tokens_per_micro_batch,
                                        pass_overhead_tokens=trainer.pass_overhead_tokens)
-        else:
-            micro = packed_micro_batches(lengths, trainer.tokens_per_micro_batch)
         timer = PhaseTimer(self.accelerator.device)
         trainable = [s.num_trainable for s in samples]
         plan = split_for_optimizer_steps(micro, trainer.optimizer_steps_per_step, trainable)

@@ -204,14 +204,21 @@ class HFBackend:
 
 def cache_argument(model) -> str:
     """Name of the KV-cache keyword: ``cache`` in newer transformers, ``past_key_values`` before."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return _cache_keyword(type(base))
+    return "cache" if "cache" in forward_parameters(model) else "past_key_values"
+
+
+def forward_parameters(model) -> frozenset[str]:
+    """The keyword parameters of the transformers model's ``forward`` inside ``model`` (a DDP
+    or peft wrapper's too)."""
+    inner = getattr(model, "module", model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return _forward_parameters(type(inner))
 
 
 @functools.cache
-def _cache_keyword(model_class: type) -> str:
+def _forward_parameters(model_class: type) -> frozenset[str]:
     # Reading a signature costs about as much as a forward pass of a tiny model: once per class.
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 def sample_rows(
