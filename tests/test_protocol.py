@@ -319,6 +319,17 @@ def test_tool_schema_is_rendered_through_the_chat_template(tool, tokenizer):
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
+def test_a_root_that_may_not_spawn_is_shown_no_tool(tool, tokenizer):
+    """A monolithic root (max_depth=0) sees the task as a plain chat turn: no schema, no
+    instructions, nothing about a tool it would only be refused."""
+    task = Task("t", "What is 2+2?", "4")
+    plain = tokenizer.decode(tool.root_prompt(task, spawning=False))
+    assert "spawn_clone" not in plain and "<tool" not in plain
+    assert plain == tokenizer.apply_chat_template(
+        [{"role": "user", "content": task.prompt}], tokenize=False, add_generation_prompt=True)
+    assert "spawn_clone" in tokenizer.decode(tool.root_prompt(task))
+
+
 def test_tool_protocol_fallback_without_template_tool_support(tokenizer):
     template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     original = tokenizer.chat_template
@@ -328,6 +339,8 @@ def test_tool_protocol_fallback_without_template_tool_support(tokenizer):
         assert not protocol.native_tools
         prompt = tokenizer.decode(protocol.root_prompt(Task("t", "q?", "")))
         assert "spawn_clone" in prompt and "<tool_call>" in prompt
+        # Every argument the parser takes is named in the description.
+        assert all(argument in prompt for argument in ToolCallProtocol.ARGUMENTS)
         ids = protocol.render_results([CloneResult("4")], 100, 10)
         assert "<tool_response>\n1: 4\n</tool_response>" in tokenizer.decode(ids)
     finally:

@@ -35,6 +35,7 @@ register_schemas()
 # not commands), and the tests that cover them.
 COVERED = {
     "## Quickstart": ["bash"],  # test_quickstart_make_targets_run_what_the_readme_says
+    "### A real pretrained model: SmolLM2-135M-Instruct": ["bash"],  # experiments/test_smollm.py (slow)
     "## Does RL learn to delegate? The controller experiment": ["bash"],  # test_controller_lines_* (slow)
     "## In a notebook": ["python"],  # test_notebook_snippet_prints_an_answer_a_tree_and_costs
     "## How it works": [""],  # a diagram

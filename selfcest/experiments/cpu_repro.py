@@ -14,7 +14,8 @@ A Hydra app like ``selfcest-train`` (``--help`` lists every key): the experiment
 section sets the evaluation, and extra arguments override anything. Steps, each timed,
 outputs under ``runs/<name>/``:
 
-1. warm start: SFT of a fresh model on teacher demonstrations of both styles (shared);
+1. warm start: SFT of a fresh model on teacher demonstrations of both styles (shared), and
+   how it delegates before RL (spawn calls that parse, roots that delegate, clone accuracy);
 2. arm A, clones: GRPO from the warm start; the root may spawn (keyed_sum: it sees the keys
    only);
 3. arm B, monolithic: GRPO from the same warm start on the same tasks seen through the task
@@ -48,6 +49,7 @@ from selfcest.budget import Budget
 from selfcest.cli import register_schemas
 from selfcest.configure import compose as compose_config
 from selfcest.configure import hydra_app
+from selfcest.eval.delegation import delegation_stats
 from selfcest.eval.evaluate import Method, evaluate
 from selfcest.eval.stats import bootstrap_mean
 from selfcest.experiments.report import write_repro_report
@@ -55,7 +57,7 @@ from selfcest.policy import ClonePolicy
 from selfcest.rewards.base import score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.task import Task
-from selfcest.tasks import TASKS
+from selfcest.tasks import TASKS, TEACHERS
 from selfcest.train.config import (
     EvaluationConfig,
     TrainConfig,
@@ -190,6 +192,9 @@ def run(config: TrainConfig, log=say) -> dict:
     start = time.perf_counter()
     with timed(timings, "warm start (SFT)", log):
         warm_start_folder(config, out / "sft", log)
+    with timed(timings, "warm-start check", log):
+        checked = warm_start_check(config, settings, out / "sft")
+    log(f"warm-start check: {json.dumps(checked)}")
     with timed(timings, "GRPO, clones", log):
         clones, clones_history = train_arm(config, out / "sft", out / "clones")
     twin = monolithic_twin(config)
@@ -211,9 +216,31 @@ def run(config: TrainConfig, log=say) -> dict:
 
     timings["total"] = time.perf_counter() - start
     report = write_repro_report(out, config, twin, settings, results, heldout, clones_history,
-                                mono_history, timings)
+                                mono_history, timings, checked)
     log(f"report: {report}")
     return {"timings": timings, "report": str(report), "results": results, "heldout": heldout}
+
+
+def warm_start_check(config: TrainConfig, settings: EvaluationConfig, folder: Path) -> dict[str, dict]:
+    """How the warm start saved in ``folder`` delegates before RL (`delegation_stats`: spawn
+    calls that parse, roots that delegate, clones that answer as the teacher would), on each
+    held-out split sampled as training samples (clone arm's budget and temperature,
+    ``reward_samples`` trees per task); written to ``warm_start.json``. Empty without a
+    teacher."""
+    section = config.warm_start
+    if section.tasks is None:
+        return {}
+    policy = ClonePolicy.from_pretrained(folder)
+    rollout = config.rollout
+    engine = policy.engine(rollout.budget, SamplingParams(rollout.temperature, rollout.top_p, rollout.top_k),
+                           seed=config.trainer.seed + 2)
+    teacher = TEACHERS[section.teacher](**section.teacher_params)
+    checked = {}
+    for split, tasks in evaluation_splits(config, settings).items():
+        trees = engine.rollout(tasks, samples_per_task=settings.reward_samples)
+        checked[split] = delegation_stats(trees, policy.protocol, teacher).to_dict()
+    (folder.parent / "warm_start.json").write_text(json.dumps(checked, indent=2))
+    return checked
 
 
 def evaluation_splits(config: TrainConfig, settings: EvaluationConfig) -> dict[str, list[Task]]:

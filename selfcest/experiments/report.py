@@ -61,7 +61,8 @@ def training_curves(histories: dict[str, list[dict]], path: Path) -> Path:
 
 def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settings, results: EvalResults,
                        heldout: dict[str, dict[str, float]], clones_history: list[dict],
-                       mono_history: list[dict], timings: dict[str, float]) -> Path:
+                       mono_history: list[dict], timings: dict[str, float],
+                       warm_start: dict[str, dict] | None = None) -> Path:
     """``report.md`` (the template ``repro_report.md.j2``), with the training curves and a
     trace page of example clone-arm trees (``eval/trace.html``) beside it.
 
@@ -75,7 +76,7 @@ def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settin
     sc = f"sc@{settings.sc_samples}"
     text = _ENVIRONMENT.get_template("repro_report.md.j2").render(
         config=config, twin=twin, settings=settings, results=results, heldout=heldout,
-        timings=timings, training_budget=training_budget, budget=budget, sc=sc,
+        timings=timings, warm_start=warm_start or {}, training_budget=training_budget, budget=budget, sc=sc,
         built_locally=config.model.name in SIZES, curves=curves.name,
         clone_view=TASKS[config.task.name].clone_view,
         against_start=_against_start(results, eval_dir, budget),

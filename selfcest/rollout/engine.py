@@ -139,7 +139,7 @@ class RolloutEngine:
         budget = self.budget
         root = run.tree.add(
             Node(id=CloneTree.ROOT_ID, parent_id=None, depth=0, objective=None,
-                 prompt_ids=self.protocol.root_prompt(run.task))
+                 prompt_ids=self.protocol.root_prompt(run.task, spawning=self.spawning))
         )
         allowance = Allowance(cap=budget.node_generation, pool=budget.tree_generation)
         if len(root.prompt_ids) >= budget.node_context:

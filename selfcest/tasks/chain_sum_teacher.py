@@ -8,11 +8,11 @@ as SmolLM2-135M-Instruct or ``ClonePolicy.build_tiny(protocol="tool")`` render t
 `selfcest.tasks.keyed_sum_teacher.KeyedSumTeacher` it maps a node's prompt text to its next
 turn; a ``warm_start`` config section names it ``teacher: chain_sum`` (`selfcest.tasks.TEACHERS`).
 
-A root that sees an expression of at least ``min_delegate_terms`` terms delegates with
-probability ``delegate``: it cuts the terms into two contiguous halves and spawns one clone
-per half, each with a self-contained objective. The second half is copied as written, with
-the operator in front of it folded into its first number, so the root's answers simply add
-up::
+A root whose prompt offers the ``spawn_clone`` tool and that sees an expression of at least
+``min_delegate_terms`` terms delegates with probability ``delegate``: it cuts the terms into
+two contiguous halves and spawns one clone per half, each with a self-contained objective.
+The second half is copied as written, with the operator in front of it folded into its first
+number, so the root's answers simply add up::
 
     <tool_call>
     {"name": "spawn_clone", "arguments": {"objectives": ["Compute 15 - 43", "Compute -75 + 8"]}}
@@ -103,6 +103,8 @@ class ChainSumTeacher:
     min_delegate_terms: int = 3
     # First word of every clone objective; a user message that starts with it is a clone's.
     objective_prefix: str = "Compute"
+    # The tool's name; a root delegates only if its prompt (before the question) names it.
+    tool_name: str = "spawn_clone"
     # The chat template's end-of-turn text, which closes every final turn.
     end: str = "<|im_end|>"
     # Seed of the teacher's own draws (whether a root delegates).
@@ -130,7 +132,10 @@ class ChainSumTeacher:
         if returned:  # resumed after the clones answered: add their answers
             return self._combine(returned[-1])
         is_clone = question.startswith(self.objective_prefix + " ")
-        if not is_clone and len(terms) >= self.min_delegate_terms and self._rng.random() < self.delegate:
+        # A root may delegate only where its prompt offers the tool (a root that may not
+        # spawn is shown none, see ToolCallProtocol.root_prompt).
+        offered = self.tool_name in prompt[: user.start()]
+        if offered and not is_clone and len(terms) >= self.min_delegate_terms and self._rng.random() < self.delegate:
             return self._spawn(terms)
         return self._solve(terms)
 

@@ -283,6 +283,10 @@ class WarmStartConfig:
     tasks: TaskSourceConfig | None = setting(None, help=(
         "tasks a teacher demonstrates before RL: a selfcest.tasks source {name, params} (mix "
         "for several); null: no warm start"))
+    direct_tasks: TaskSourceConfig | None = setting(None, help=(
+        "tasks the teacher also demonstrates with spawning off, as a monolithic twin sees "
+        "them (a tool-call root is shown no tool, so the teacher solves directly); both arms "
+        "then start from prompts they have seen; null: none"))
     teacher: str = setting("keyed_sum", help="teacher writing the demonstrations (selfcest.tasks.TEACHERS)")
     teacher_params: dict[str, Any] = setting(help="the teacher's settings (its dataclass fields)", factory=dict)
     budget: Budget | None = setting(None, help=(

@@ -8,6 +8,7 @@ any model is built: validation, the reward import, the task files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 
 from selfcest.configure import ConfigError
 from selfcest.policy import SIZES, ClonePolicy, apply_lora
+from selfcest.protocol import Protocol
 from selfcest.rewards.base import RewardFn, load_reward
 from selfcest.task import Task
 from selfcest.train.checkpoint import resolve_resume
@@ -33,6 +35,7 @@ from selfcest.train.sft import train_sft
 from selfcest.train.sharding import check_model, is_sharded
 from selfcest.train.traces import demonstrations
 from selfcest.train.trainer import GRPOTrainer
+from selfcest.tree import CloneTree
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,10 +82,20 @@ def warm_start(
 ) -> list[dict[str, float]]:
     """Build the demonstrations the ``warm_start`` section describes (leaving out any task of
     ``exclude``) and fit ``policy`` to them; returns per-step metrics."""
+    trees = warm_start_trees(config, policy.protocol, exclude)
+    return train_sft(policy, trees, config.warm_start.sft, log=log)
+
+
+def warm_start_trees(config: TrainConfig, protocol: Protocol, exclude: Sequence[Task] = ()) -> list[CloneTree]:
+    """The demonstrations of the ``warm_start`` section: its ``tasks`` under its budget, then
+    its ``direct_tasks`` under the same budget with spawning off."""
     section = config.warm_start
-    trees = demonstrations(section.tasks, section.teacher, section.teacher_params, policy.protocol,
-                           section.budget or config.rollout.budget, exclude)
-    return train_sft(policy, trees, section.sft, log=log)
+    budget = section.budget or config.rollout.budget
+    trees = demonstrations(section.tasks, section.teacher, section.teacher_params, protocol, budget, exclude)
+    if section.direct_tasks is not None:
+        trees += demonstrations(section.direct_tasks, section.teacher, section.teacher_params, protocol,
+                                dataclasses.replace(budget, max_depth=0), exclude)
+    return trees
 
 
 def logged_warm_start(policy: ClonePolicy, config: TrainConfig, folder: Path) -> list[dict[str, float]]:

@@ -110,3 +110,15 @@ def test_a_clone_solves_directly_with_one_operation_a_line():
 
 def test_the_protocol_is_the_tool_protocol(tool_policy):
     assert isinstance(tool_policy.protocol, ToolCallProtocol)
+
+
+def test_a_root_shown_no_tool_solves_directly(tool_policy):
+    """With spawning off the root's prompt names no tool, so even delegate=1.0 solves
+    directly (the monolithic twin's demonstrations, warm_start.direct_tasks)."""
+    tasks = chain_sums(12, seed=5, min_terms=4)
+    no_spawning = Budget(**{**vars(BUDGET), "max_depth": 0})
+    trees = teacher_trees(tasks, ChainSumTeacher(delegate=1.0), tool_policy.protocol, no_spawning)
+    assert len(trees) == len(tasks)
+    for tree in trees:
+        assert "spawn_clone" not in tool_policy.protocol.decode(tree.root.prompt_ids)
+        assert not tree.root.children and tree.root.text().endswith("<|im_end|>")

@@ -12,8 +12,8 @@ from selfcest.protocol import TokenProtocol
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.tasks.keyed_sum import KeyedSumConfig, keyed_sum_tasks
 from selfcest.tasks.keyed_sum_teacher import KeyedSumTeacher
-from selfcest.train.config import TrainConfig
-from selfcest.train.setup import held_out_tasks, run_warm_start
+from selfcest.train.config import TaskSourceConfig, TrainConfig
+from selfcest.train.setup import held_out_tasks, run_warm_start, warm_start_trees
 from selfcest.train.sft import SFTConfig, sft_samples, train_sft
 from selfcest.train.traces import teacher_trees
 
@@ -80,3 +80,23 @@ def test_the_sft_entry_point_leaves_held_out_tasks_out_and_saves_a_loadable_poli
     config.warm_start.tasks = None
     with pytest.raises(ConfigError, match="warm_start.tasks"):
         run_warm_start(config)
+
+
+def test_direct_tasks_are_demonstrated_as_a_monolithic_root_sees_them():
+    """warm_start.direct_tasks: the same teacher, spawning off, so a tool-call root is shown
+    no tool and solves directly; the tool-offered tasks still delegate."""
+    pytest.importorskip("reasoning_gym")
+    policy = ClonePolicy.build_tiny(seed=0, protocol="tool")
+    config = TrainConfig()
+    shape = {"dataset": "chain_sum", "split": "train", "min_terms": 4, "max_terms": 4,
+             "min_digits": 1, "max_digits": 1}
+    config.warm_start.teacher = "chain_sum"
+    config.warm_start.teacher_params = {"delegate": 1.0}
+    config.warm_start.tasks = TaskSourceConfig("gym", {**shape, "size": 6, "seed": 10})
+    config.warm_start.direct_tasks = TaskSourceConfig("gym", {**shape, "size": 4, "seed": 20})
+    config.rollout.budget = Budget(node_generation=160, node_context=1024, tree_generation=512, max_depth=1,
+                                   clones_per_spawn=2, clones_per_tree=2, spawn_rounds=1)
+    trees = warm_start_trees(config, policy.protocol)
+    shown_tool = ["spawn_clone" in policy.protocol.decode(t.root.prompt_ids) for t in trees]
+    delegated = [bool(t.root.children) for t in trees]
+    assert shown_tool == delegated == [True] * 6 + [False] * 4
