@@ -63,8 +63,10 @@ def delegation_stats(trees: Sequence[CloneTree], protocol: Protocol, teacher: Ca
             opened, parsed = call_turns(node, protocol)
             calls += [1.0] * parsed + [0.0] * (opened - parsed)
         for clone in tree.clones():
+            if clone.finish_reason == "error":
+                continue
             reference = _teacher_answer(teacher, protocol, clone)
-            if clone.finish_reason != "error" and reference is not _DELEGATES:
+            if reference is not _DELEGATES:
                 clones.append(float(reference == clone.answer))
     delegated = [float(bool(tree.root.children)) for tree in trees]
 

@@ -221,6 +221,13 @@ def run(config: TrainConfig, log=say) -> dict:
     return {"timings": timings, "report": str(report), "results": results, "heldout": heldout}
 
 
+def training_engine(config: TrainConfig, policy: ClonePolicy, seed: int):
+    """An engine that samples as training does: the rollout budget, temperature, top-p, top-k."""
+    rollout = config.rollout
+    return policy.engine(rollout.budget, SamplingParams(rollout.temperature, rollout.top_p, rollout.top_k),
+                         seed=seed)
+
+
 def warm_start_check(config: TrainConfig, settings: EvaluationConfig, folder: Path) -> dict[str, dict]:
     """How the warm start saved in ``folder`` delegates before RL (`delegation_stats`: spawn
     calls that parse, roots that delegate, clones that answer as the teacher would), on each
@@ -231,9 +238,7 @@ def warm_start_check(config: TrainConfig, settings: EvaluationConfig, folder: Pa
     if section.tasks is None:
         return {}
     policy = ClonePolicy.from_pretrained(folder)
-    rollout = config.rollout
-    engine = policy.engine(rollout.budget, SamplingParams(rollout.temperature, rollout.top_p, rollout.top_k),
-                           seed=config.trainer.seed + 2)
+    engine = training_engine(config, policy, seed=config.trainer.seed + 2)
     teacher = TEACHERS[section.teacher](**section.teacher_params)
     checked = {}
     for split, tasks in evaluation_splits(config, settings).items():
@@ -254,9 +259,7 @@ def evaluation_splits(config: TrainConfig, settings: EvaluationConfig) -> dict[s
 def held_out(config: TrainConfig, policy: ClonePolicy, tasks: list, settings: EvaluationConfig) -> HeldOut:
     """The policy's reward on held-out tasks as training samples it: same temperature, same
     budget, ``reward_samples`` trees per task (what RL optimises, measured on new tasks)."""
-    rollout = config.rollout
-    engine = policy.engine(rollout.budget, SamplingParams(rollout.temperature, rollout.top_p, rollout.top_k),
-                           seed=config.trainer.seed + 1)
+    engine = training_engine(config, policy, seed=config.trainer.seed + 1)
     trees = engine.rollout(tasks, samples_per_task=settings.reward_samples)
     score_trees(trees, tasks, build_reward(config))
     reward, accuracy = [], []
