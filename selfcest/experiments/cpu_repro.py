@@ -63,6 +63,7 @@ from selfcest.train.config import (
     TrainConfig,
     held_out_splits,
     load_split,
+    validate,
 )
 from selfcest.train.setup import (
     build_policy,
@@ -110,11 +111,14 @@ def _view(config: TrainConfig, tasks: list[Task]) -> list[Task]:
 
 
 def monolithic_twin(config: TrainConfig) -> TrainConfig:
-    """Arm B's config: spawning disabled and the clone cost terms off (its tasks are the same,
-    seen through `monolithic_view`)."""
+    """Arm B's config: spawning disabled, the clone cost terms off and broadcast credit (its
+    trees are roots alone, to which every strategy gives the root's advantage; a strategy that
+    needs clones would refuse the config). Its tasks are the same, seen through
+    `monolithic_view`."""
     twin = copy.deepcopy(config)
     twin.name = f"{config.name}-monolithic"
     twin.rollout.budget.max_depth = 0
+    twin.algo.credit.strategy = "broadcast"
     cost = dict(twin.task.reward_params.get("cost") or {})
     if cost:
         cost.update(clone_length=None, spawn_calls=None, per_clone=0.0)
@@ -189,6 +193,8 @@ def run(config: TrainConfig, log=say) -> dict:
     if config.trainer.cpu_threads:
         torch.set_num_threads(config.trainer.cpu_threads)
 
+    twin = monolithic_twin(config)
+    validate(twin)  # a twin that cannot run fails here, before any compute
     start = time.perf_counter()
     with timed(timings, "warm start (SFT)", log):
         warm_start_folder(config, out / "sft", log)
@@ -197,7 +203,6 @@ def run(config: TrainConfig, log=say) -> dict:
     log(f"warm-start check: {json.dumps(checked)}")
     with timed(timings, "GRPO, clones", log):
         clones, clones_history = train_arm(config, out / "sft", out / "clones")
-    twin = monolithic_twin(config)
     with timed(timings, "GRPO, monolithic", log):
         mono, mono_history = train_arm(twin, out / "sft", out / "monolithic", monolithic_view(config))
 

@@ -27,7 +27,7 @@ from selfcest.protocol import ANSWER_MARKER
 from selfcest.rewards.base import RewardResult, TaskScorer, final_turn_text
 from selfcest.rewards.cost import CostConfig, cost_terms, shape
 from selfcest.task import Task
-from selfcest.tasks import TASKS
+from selfcest.tasks import source_of
 from selfcest.tree import CloneTree, Node
 
 # The reference's format threshold: a clone may think this many tokens without an answer.
@@ -60,8 +60,8 @@ class ComposedReward:
 
     # "tree": a well-formed clone's reward is clone_scale * the tree's score (the reference);
     # "own": clone_scale * the scorer's score of the clone's own answer against what its
-    # task source says it should answer (`TaskSource.clone_answer`; the tree's score where
-    # the source does not say). Only credit strategies that read node rewards (ratio,
+    # task source says it should answer from its objective and keys (`TaskSource.clone_answer`:
+    # keyed_sum, reasoning-gym chain_sum; the tree's score where the source does not say). Only credit strategies that read node rewards (ratio,
     # sibling) see the difference.
     clone_reward: str = "tree"
 
@@ -92,10 +92,10 @@ class ComposedReward:
 
 
     def _clone_score(self, clone: Node, task: Task, tree_score: float) -> float:
-        source = TASKS.get(task.source)
+        source = source_of(task)
         if self.clone_reward == "tree" or source is None or source.clone_answer is None:
             return tree_score
-        expected = source.clone_answer(task, clone.context_keys)
+        expected = source.clone_answer(task, clone.objective or "", clone.context_keys)
         if expected is None:
             return tree_score
         return self.scorer(clone.final_text, replace(task, answer=expected)).score

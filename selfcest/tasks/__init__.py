@@ -43,7 +43,7 @@ from typing import Any
 from selfcest.task import Task
 from selfcest.tasks.arithmetic import load_arithmetic
 from selfcest.tasks.chain_sum_teacher import ChainSumTeacher
-from selfcest.tasks.gym import load_gym
+from selfcest.tasks.gym import gym_clone_answer, load_gym
 from selfcest.tasks.io import MalformedRowError, load_jsonl, write_jsonl
 from selfcest.tasks.keyed_sum import inline_view, keys_answer, load_keyed_sum
 from selfcest.tasks.keyed_sum_teacher import KeyedSumTeacher
@@ -51,7 +51,7 @@ from selfcest.tasks.math import load_aime_split, load_math_hard
 from selfcest.tasks.multihop import load_2wiki, load_musique
 
 __all__ = ["Task", "TaskSource", "MalformedRowError", "load_jsonl", "write_jsonl", "load_tasks",
-           "check_params", "TASKS", "TEACHERS"]
+           "check_params", "source_of", "TASKS", "TEACHERS"]
 
 
 def _mix(sources: list[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]]) -> list[Task]:
@@ -88,14 +88,19 @@ class TaskSource:
     monolithic_view: Callable[[Task], Task] | None = None
     # What the clone arm's root sees, in a sentence for reports ("" if nothing to say).
     clone_view: str = ""
-    # The answer a clone handed these context keys of a task should give (None: the task
-    # does not say), for rewards that score each clone on its own job.
-    clone_answer: Callable[[Task, Sequence[str]], str | None] | None = None
+    # The answer a clone of a task should give, from its objective and the context keys it
+    # was handed (None: the task does not say), for rewards that score each clone on its
+    # own job.
+    clone_answer: Callable[[Task, str, Sequence[str]], str | None] | None = None
+
+
+def _keyed_sum_clone_answer(task: Task, objective: str, keys: Sequence[str]) -> str | None:
+    return keys_answer(task, keys)  # the lists it was handed decide, whatever it was told
 
 
 TASKS: dict[str, TaskSource] = {
     "keyed_sum": TaskSource(
-        load_keyed_sum, monolithic_view=inline_view, clone_answer=keys_answer,
+        load_keyed_sum, monolithic_view=inline_view, clone_answer=_keyed_sum_clone_answer,
         clone_view="the clone arm's root sees the keys only and reads a list through a clone; "
                    "the monolithic twin gets the lists printed in its prompt"),
     "arithmetic": TaskSource(load_arithmetic),
@@ -104,13 +109,19 @@ TASKS: dict[str, TaskSource] = {
     "math_hard": TaskSource(load_math_hard),
     "2wiki": TaskSource(load_2wiki),
     "musique": TaskSource(load_musique),
-    "gym": TaskSource(load_gym),
+    "gym": TaskSource(load_gym, clone_answer=gym_clone_answer),
     "mix": TaskSource(_mix),
 }
 
 # Scripted teachers that write warm-start demonstrations, by the name a warm_start config
 # gives (`selfcest.train.traces.demonstrations`).
 TEACHERS: dict[str, type] = {"keyed_sum": KeyedSumTeacher, "chain_sum": ChainSumTeacher}
+
+
+def source_of(task: Task) -> TaskSource | None:
+    """The source a task came from: its ``source`` names it, or names a dataset of it after
+    a slash (reasoning-gym tasks are ``gym/<dataset>``); None for a source not registered."""
+    return TASKS.get(task.source) or TASKS.get(task.source.partition("/")[0])
 
 
 def load_tasks(name: str, /, **kwargs: Any) -> list[Task]:

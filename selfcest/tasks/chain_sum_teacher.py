@@ -10,9 +10,10 @@ turn; a ``warm_start`` config section names it ``teacher: chain_sum`` (`selfcest
 
 A root whose prompt offers the ``spawn_clone`` tool and that sees an expression of at least
 ``min_delegate_terms`` terms delegates with probability ``delegate``: it cuts the terms into
-two contiguous halves and spawns one clone per half, each with a self-contained objective.
-The second half is copied as written, with the operator in front of it folded into its first
-number, so the root's answers simply add up::
+2 to ``max_pieces`` contiguous pieces of near-equal length (the count drawn uniformly, at
+most one piece per term) and spawns one clone per piece, each with a self-contained
+objective. A piece is copied as written, with the operator in front of it folded into its
+first number, so the root's answers simply add up::
 
     <tool_call>
     {"name": "spawn_clone", "arguments": {"objectives": ["Compute 15 - 43", "Compute -75 + 8"]}}
@@ -86,10 +87,18 @@ def running_computation(terms: Sequence[int]) -> tuple[list[str], int]:
     return lines, total
 
 
-def halves(terms: Sequence[int]) -> list[list[int]]:
-    """The terms cut into two contiguous halves (the first one longer when odd)."""
-    cut = (len(terms) + 1) // 2
-    return [list(terms[:cut]), list(terms[cut:])]
+def pieces(terms: Sequence[int], count: int) -> list[list[int]]:
+    """The terms cut into ``count`` contiguous pieces whose lengths differ by at most one,
+    the longer ones first: 5 terms in 2 pieces are 3 + 2, 4 terms in 3 pieces 2 + 1 + 1."""
+    if not 1 <= count <= len(terms):
+        raise ValueError(f"cannot cut {len(terms)} terms into {count} pieces")
+    size, longer = divmod(len(terms), count)
+    out, start = [], 0
+    for n in range(count):
+        end = start + size + (n < longer)
+        out.append(list(terms[start:end]))
+        start = end
+    return out
 
 
 @dataclass
@@ -97,10 +106,14 @@ class ChainSumTeacher:
     """Correct chain_sum demonstrations in the tool-call protocol (see the module docstring)."""
 
     # Probability that a root whose expression has at least `min_delegate_terms` terms
-    # delegates its two halves to two clones instead of solving it directly.
+    # delegates pieces of it to clones instead of solving it directly.
     delegate: float = 0.5
     # Fewest terms a root delegates (below that, the call costs more than the sum).
     min_delegate_terms: int = 3
+    # Most pieces (clones) a delegating root cuts its terms into; 2 gives halves. Above 2,
+    # demonstrations also show a root adding three or more answers, which a root that cuts a
+    # longer chain than it was shown into more pieces needs.
+    max_pieces: int = 2
     # First word of every clone objective; a user message that starts with it is a clone's.
     objective_prefix: str = "Compute"
     # The tool's name; a root delegates only if its prompt (before the question) names it.
@@ -116,6 +129,8 @@ class ChainSumTeacher:
             raise ValueError(f"delegate must be a probability, got {self.delegate}")
         if self.min_delegate_terms < 2:
             raise ValueError(f"min_delegate_terms must be >= 2, got {self.min_delegate_terms}")
+        if self.max_pieces < 2:
+            raise ValueError(f"max_pieces must be >= 2 (a delegating root spawns 2+ clones), got {self.max_pieces}")
         if not self.objective_prefix.strip():
             raise ValueError("objective_prefix must be a word, got an empty string")
         self._rng = random.Random(self.seed)
@@ -146,7 +161,9 @@ class ChainSumTeacher:
         return "\n".join([*lines, f"Answer: {total}"]) + self.end
 
     def _spawn(self, terms: Sequence[int]) -> str:
-        objectives = [f"{self.objective_prefix} {write_chain(half)}" for half in halves(terms)]
+        most = min(self.max_pieces, len(terms))
+        count = 2 if most == 2 else self._rng.randint(2, most)  # no draw for halves
+        objectives = [f"{self.objective_prefix} {write_chain(piece)}" for piece in pieces(terms, count)]
         call = {"name": "spawn_clone", "arguments": {"objectives": objectives}}
         return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
 

@@ -13,9 +13,11 @@ reasoning-gym is an optional dependency (``pip install selfcest[gym]``).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from selfcest.task import Task
+from selfcest.tasks.chain_sum_teacher import parse_chain
 
 SOURCE_PREFIX = "gym/"
 
@@ -68,3 +70,16 @@ def load_gym(dataset: str, size: int, seed: int = 0, split: str = "train", **con
     if split not in GYM_SPLIT_SEEDS:
         raise ValueError(f"gym split must be one of {', '.join(GYM_SPLIT_SEEDS)}, got {split!r}")
     return gym_tasks(dataset, size, seed + GYM_SPLIT_SEEDS[split], **config)
+
+
+def gym_clone_answer(task: Task, objective: str, keys: Sequence[str]) -> str | None:
+    """What a clone of a gym task should answer, where the dataset says: for ``chain_sum``,
+    the value of the chain sum its objective ends with (a root that writes "Compute 4 - 7"
+    asks for -3, right or wrong as a cut of its own task); None for other datasets and for
+    objectives that end with no chain sum."""
+    if task.metadata.get("gym_dataset") != "chain_sum":
+        return None
+    try:
+        return str(sum(parse_chain(objective)))
+    except ValueError:
+        return None

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from selfcest.experiments.cpu_repro import compose, run
+from selfcest.experiments.cpu_repro import compose, monolithic_twin, run
+from selfcest.train.config import validate
 
 # The clone arm's held-out reward gain in the quick variant, measured from one warm start
 # with three RL seeds (trainer.seed=0,1,2): +0.160, +0.128, +0.158, so a run-to-run standard
@@ -33,3 +34,15 @@ def test_quick_reproduction_learns_and_reports(tmp_path):
                  "eval/results.csv"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert set(outcome["timings"]) >= {"warm start (SFT)", "GRPO, clones", "GRPO, monolithic", "total"}
+
+
+@pytest.mark.parametrize("strategy", ["sibling", "counterfactual"])
+def test_the_monolithic_twin_of_a_clone_credit_config_runs_with_broadcast_credit(strategy):
+    """A strategy that needs clones would make the twin's config invalid (it spawns none): the
+    twin gets broadcast credit, which gives a lone root its advantage as every strategy does,
+    and `run` validates it before any compute."""
+    config = compose("smollm_chain_sum", [f"algo.credit.strategy={strategy}"])
+    twin = monolithic_twin(config)
+    validate(twin)
+    assert (twin.rollout.budget.max_depth, twin.algo.credit.strategy) == (0, "broadcast")
+    assert config.algo.credit.strategy == strategy  # the clone arm keeps its own

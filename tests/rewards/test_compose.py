@@ -97,3 +97,20 @@ def test_own_clone_rewards_score_each_clone_on_the_keys_it_was_handed(tiny_polic
     assert set(shared.node_rewards.values()) == {1.0}
     with pytest.raises(ValueError, match="clone_reward"):
         arithmetic_reward(clone_reward="mine")
+
+
+def test_own_clone_rewards_score_chain_sum_clones_on_their_objectives():
+    """Clones of a reasoning-gym chain_sum task: a clone is right when it adds up what its
+    objective says (whether or not that was a fair cut of the task); an objective with no
+    chain sum falls back to the tree's score."""
+    pytest.importorskip("reasoning_gym")
+    from selfcest.tasks import load_tasks
+
+    (task,) = load_tasks("gym", dataset="chain_sum", size=1, seed=0, min_terms=4, max_terms=4)
+    tree = tree_with_clones(("3", 2), ("Answer: 8", 3), ("Answer: 5", 3))
+    for clone, objective in zip(tree.clones(), ["Compute 1 + 2", "Compute 3 + 4 + 1", "add the rest"]):
+        clone.objective = objective
+    rewards = arithmetic_reward(cost=None, clone_reward="own")(tree, task).node_rewards
+    assert [rewards[c.id] for c in tree.clones()] == [1.0, 1.0, rewards["0"]]
+    tree.clones()[1].final_text = "Answer: 7"
+    assert arithmetic_reward(cost=None, clone_reward="own")(tree, task).node_rewards["0.1"] == 0.0

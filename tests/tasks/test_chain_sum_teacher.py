@@ -10,7 +10,7 @@ from selfcest.protocol import ToolCallProtocol
 from selfcest.tasks import load_tasks
 from selfcest.tasks.chain_sum_teacher import (
     ChainSumTeacher,
-    halves,
+    pieces,
     parse_chain,
     write_chain,
 )
@@ -41,7 +41,11 @@ def test_chains_parse_write_and_halve():
     assert parse_chain("Compute 7") == [7]
     assert write_chain([15, -43, 8]) == "15 - 43 + 8"
     assert write_chain([-75, 8]) == "-75 + 8"
-    assert halves([1, 2, 3, 4, 5]) == [[1, 2, 3], [4, 5]]
+    assert pieces([1, 2, 3, 4, 5], 2) == [[1, 2, 3], [4, 5]]
+    assert pieces([1, 2, 3, 4], 3) == [[1, 2], [3], [4]]
+    assert pieces([1, 2, 3, 4, 5, 6], 3) == [[1, 2], [3, 4], [5, 6]]
+    with pytest.raises(ValueError, match="cannot cut 2 terms into 3 pieces"):
+        pieces([1, 2], 3)
 
 
 def test_demonstrations_are_right_and_delegating_roots_spawn_two_right_clones(tool_policy):
@@ -65,10 +69,26 @@ def test_demonstrations_are_right_and_delegating_roots_spawn_two_right_clones(to
         assert [r.objective for r in requests] == [c.objective for c in clones]
         assert all(c.objective.startswith("Compute ") for c in clones)
         # ...over the two halves of the terms, which the clones sum correctly.
-        assert [parse_chain(c.objective) for c in clones] == halves(terms)
-        assert [int(c.answer) for c in clones] == [sum(h) for h in halves(terms)]
+        assert [parse_chain(c.objective) for c in clones] == pieces(terms, 2)
+        assert [int(c.answer) for c in clones] == [sum(h) for h in pieces(terms, 2)]
         assert not any(c.children for c in clones)  # clones never delegate
     assert 0 < delegated < len(trees)
+
+
+def test_up_to_max_pieces_clones_whose_answers_the_root_adds(tool_policy):
+    tasks = chain_sums(40, seed=5, min_terms=3)
+    budget = Budget(**{**vars(BUDGET), "clones_per_spawn": 3, "clones_per_tree": 3})
+    teacher = ChainSumTeacher(delegate=1.0, max_pieces=3)
+    trees = teacher_trees(tasks, teacher, tool_policy.protocol, budget, correct_only=False)
+    counts = set()
+    for tree in trees:
+        task = tasks[tree.task_index]
+        terms = parse_chain(task.prompt)
+        clones = [tree.nodes[c] for c in tree.root.children]
+        counts.add(len(clones))
+        assert [parse_chain(c.objective) for c in clones] == pieces(terms, len(clones))
+        assert tree.answer == task.answer, tree.pretty()  # three answers added right too
+    assert counts == {2, 3}
 
 
 def test_short_chains_are_never_delegated_and_delegate_one_always_is(tool_policy):
@@ -99,6 +119,8 @@ def test_unreadable_prompts_raise_clear_errors():
         teacher(failed_clone)
     with pytest.raises(ValueError, match="probability"):
         ChainSumTeacher(delegate=1.5)
+    with pytest.raises(ValueError, match="max_pieces"):
+        ChainSumTeacher(max_pieces=1)
 
 
 def test_a_clone_solves_directly_with_one_operation_a_line():
