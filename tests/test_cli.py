@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from selfcest.algo.losses import LossConfig, aggregation_weights
 from selfcest.cli import register_schemas
 from selfcest.configure import CONFIG_DIR, ConfigError, build
-from selfcest.train.config import TrainConfig, load_split, validate
+from selfcest.train.config import TrainConfig, held_out_splits, load_split, validate
 from selfcest.train.setup import build_reward, build_trainer
 
 register_schemas()
@@ -201,6 +201,15 @@ def test_a_task_file_that_cannot_be_read_names_its_key(tmp_path):
     config = train_config("task=keyed_sum", "task.eval_params.split=dev")
     with pytest.raises(ConfigError, match=r"task.eval_params \(keyed_sum\): split must be one of train, test, ood"):
         load_split(config.task, "eval")
+
+
+def test_the_command_line_turns_a_groups_ood_split_off_with_null():
+    """{} would merge into the group's overrides and keep the split; null removes it."""
+    assert held_out_splits(train_config("experiment=smollm_chain_sum").task) == ["eval", "ood"]
+    assert held_out_splits(train_config("experiment=smollm_chain_sum", "task.ood_params={}").task) == ["eval", "ood"]
+    config = train_config("experiment=smollm_chain_sum", "task.ood_params=null")
+    validate(config)
+    assert held_out_splits(config.task) == ["eval"]
 
 
 @pytest.mark.paper  # a Python start-up: with the paper runs

@@ -29,14 +29,14 @@ from __future__ import annotations
 import copy
 import json
 import statistics
-import time
 from pathlib import Path
 
 from selfcest.algo.losses import AGGREGATIONS, aggregation_weights
 from selfcest.cli import register_schemas
 from selfcest.configure import ConfigError, hydra_app
 from selfcest.eval.stats import bootstrap_mean
-from selfcest.experiments.cpu_repro import evaluation_splits, held_out, say, train_arm
+from selfcest.experiments.cpu_repro import evaluation_splits, held_out, say
+from selfcest.experiments.rl_seeds import train_seed
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.train.config import TrainConfig
@@ -80,23 +80,15 @@ def run(base: TrainConfig, log=say) -> dict:
     per_task: dict[str, dict[str, list[list[float]]]] = {}
     runs = []
     for mode in AGGREGATIONS:
+        config = copy.deepcopy(base)
+        config.algo.loss.aggregation = mode
         per_task[mode] = {name: [] for name in splits}
         for seed in seeds:
-            config = copy.deepcopy(base)
-            config.algo.loss.aggregation = mode
-            config.trainer.seed = seed
-            config.log.progress = False
-            folder = out / f"{mode}_seed{seed}"
-            mark = time.perf_counter()
-            policy, history = train_arm(config, warm_started, folder)
-            row = {"aggregation": mode, "seed": seed, "seconds": time.perf_counter() - mark,
-                   "train_reward_last4": statistics.fmean(h["reward/mean"] for h in history[-4:])}
-            for name, tasks in splits.items():
-                rewards = held_out(config, policy, tasks, settings).reward
-                per_task[mode][name].append(rewards)
-                row[f"heldout/{name}"] = statistics.fmean(rewards)
-            runs.append(row)
-            log(json.dumps(row))
+            row, rewards = train_seed(config, warm_started, splits, seed, out / f"{mode}_seed{seed}")
+            for name in splits:
+                per_task[mode][name].append(rewards[name])
+            runs.append({"aggregation": mode, **row})
+            log(json.dumps(runs[-1]))
     summary = summarise(per_task, start_reward, settings.bootstrap_samples)
     results = {"seeds": seeds, "runs": runs, "summary": summary, "largest_trees_share": shares,
                "start": {name: statistics.fmean(values) for name, values in start_reward.items()}}

@@ -167,9 +167,10 @@ class TaskConfig:
         "overrides of params for the held-out tasks evaluated during training (a key given here "
         "replaces that key of params whole); empty: the training tasks are evaluated"), factory=dict)
     eval_size: int = setting(32, help="held-out tasks used (the first N)")
-    ood_params: dict[str, Any] = setting(help=(
+    ood_params: dict[str, Any] | None = setting(help=(
         "overrides of params for an out-of-distribution held-out split, which experiments "
-        "evaluate after training; empty: none"), factory=dict)
+        "evaluate after training; empty or null: none (task.ood_params=null turns a task "
+        "group's split off on the command line, where {} would merge into it)"), factory=dict)
     reward: str = setting("selfcest.rewards.arithmetic:arithmetic_reward", help=(
         "reward function: package.module:function or path/to/file.py:function"))
     reward_params: dict[str, Any] = setting(help="keyword arguments of the reward factory (cost shaping etc.)", factory=dict)
@@ -194,7 +195,7 @@ def _split_params(task: TaskConfig, split: str) -> tuple[dict[str, Any], Callabl
     from: ``params`` updated by the split's overrides, one level deep (an override replaces
     that argument's whole value, a nested mapping included)."""
     field_name = SPLIT_OVERRIDES[split]
-    overrides = getattr(task, field_name) if field_name else {}
+    overrides = (getattr(task, field_name) if field_name else None) or {}
     return {**task.params, **overrides}, lambda arg: f"{field_name if arg in overrides else 'params'}.{arg}"
 
 
