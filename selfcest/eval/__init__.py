@@ -21,7 +21,7 @@ from selfcest.eval.pareto import (
 )
 from selfcest.eval.report import ReportFiles, markdown_report, write_report
 from selfcest.eval.results import CellResult, EvalResults
-from selfcest.eval.stats import Estimate, bootstrap_mean
+from selfcest.eval.stats import Estimate, bootstrap_mean, bootstrap_ratio
 from selfcest.eval.view import read_trees, render_html
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "ReportFiles",
     "Vote",
     "bootstrap_mean",
+    "bootstrap_ratio",
     "compare_frontiers",
     "evaluate",
     "frontier_dominates",

@@ -3,7 +3,9 @@ root delegate, and do its clones answer what they were asked?
 
 Used after a warm start (`selfcest.experiments.cpu_repro`), where it says whether the model
 learned the protocol before RL starts. Every figure is a fraction with a 95% bootstrap
-interval over its units (calls, roots or clones):
+interval. Roots are resampled one by one; calls and clones are resampled by tree, since the
+calls and clones of one tree are not independent (a root that writes a bad call and reads
+the error often retries it badly, and one tree can hold most of a split's failures):
 
 - ``parsed``: of the spawn calls the roots and clones wrote (a sampled turn that opened a
   call with the protocol's open token), the share that closed and parsed;
@@ -22,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from math import nan as NAN
 
-from selfcest.eval.stats import Estimate, bootstrap_mean
+from selfcest.eval.stats import Estimate, bootstrap_ratio
 from selfcest.protocol import Protocol, ProtocolError, extract_answer
 from selfcest.tree import CloneTree, Node
 
@@ -56,26 +58,35 @@ def call_turns(node: Node, protocol: Protocol) -> tuple[int, int]:
 def delegation_stats(trees: Sequence[CloneTree], protocol: Protocol, teacher: Callable[[str], str],
                      resamples: int = 1000, seed: int = 0) -> DelegationStats:
     """The three fractions of the module docstring over ``trees``."""
-    calls: list[float] = []
-    clones: list[float] = []
+    calls: list[tuple[int, int]] = []  # per tree with calls: (calls that parsed, calls opened)
+    clones: list[tuple[int, int]] = []  # per tree with counted clones: (right, counted)
     for tree in trees:
+        opened = parsed = 0
         for node in tree.nodes.values():
-            opened, parsed = call_turns(node, protocol)
-            calls += [1.0] * parsed + [0.0] * (opened - parsed)
+            node_opened, node_parsed = call_turns(node, protocol)
+            opened, parsed = opened + node_opened, parsed + node_parsed
+        if opened:
+            calls.append((parsed, opened))
+        right = counted = 0
         for clone in tree.clones():
             if clone.finish_reason == "error":
                 continue
             reference = _teacher_answer(teacher, protocol, clone)
             if reference is not _DELEGATES:
-                clones.append(float(reference == clone.answer))
-    delegated = [float(bool(tree.root.children)) for tree in trees]
+                right, counted = right + (reference == clone.answer), counted + 1
+        if counted:
+            clones.append((right, counted))
+    roots = [(int(bool(tree.root.children)), 1) for tree in trees]  # a root is its own group
 
-    def fraction(values: list[float]) -> Estimate:
-        return bootstrap_mean(values, resamples, seed=seed) if values else Estimate(NAN, NAN, NAN)
+    def fraction(groups: list[tuple[int, int]]) -> Estimate:
+        if not groups:
+            return Estimate(NAN, NAN, NAN)
+        hits, items = zip(*groups)
+        return bootstrap_ratio(hits, items, resamples, seed=seed)
 
     return DelegationStats(
-        parsed=fraction(calls), delegated=fraction(delegated), clone_accuracy=fraction(clones),
-        calls=len(calls), roots=len(delegated), clones=len(clones),
+        parsed=fraction(calls), delegated=fraction(roots), clone_accuracy=fraction(clones),
+        calls=sum(n for _, n in calls), roots=len(roots), clones=sum(n for _, n in clones),
     )
 
 

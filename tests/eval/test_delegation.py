@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -70,6 +71,25 @@ def test_malformed_calls_and_wrong_clones_are_counted(protocol, tasks):
     assert stats.clones == len(clones) and 0 < wrong < len(clones)
     assert stats.clone_accuracy.value == pytest.approx(1 - wrong / len(clones))
     assert stats.parsed.low < 0.5 < stats.parsed.high
+
+
+def test_calls_are_resampled_by_tree(protocol, tasks):
+    """The same 6 bad calls of 12, once one per tree, once all in one tree that retried: the
+    fraction is the same, and the interval wider where one tree holds every failure (its
+    calls are not independent draws)."""
+    spread = teacher_trees(tasks, Sloppy(), protocol, BUDGET, correct_only=False)
+    bad = [t for t in spread if t.root.spawns[0].errors]
+    retried = copy.deepcopy(spread)
+    keeper = next(t for t in retried if t.root.spawns[0].errors)
+    for tree in retried:
+        if tree.root.spawns[0].errors and tree is not keeper:
+            calls = [s for s in tree.root.segments if s.trainable and protocol.spawn_open_id in s.token_ids]
+            keeper.root.segments += calls
+            tree.root.segments = [s for s in tree.root.segments if s not in calls]
+    one, other = (delegation_stats(trees, protocol, ChainSumTeacher()) for trees in (spread, retried))
+    assert len(bad) == 6 and one.calls == other.calls == 12
+    assert one.parsed.value == other.parsed.value == 0.5
+    assert other.parsed.high - other.parsed.low > one.parsed.high - one.parsed.low
 
 
 def test_no_calls_give_nan_fractions(protocol, tasks):

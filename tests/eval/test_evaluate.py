@@ -25,6 +25,7 @@ from selfcest.eval import (
     EvalResults,
     Method,
     bootstrap_mean,
+    bootstrap_ratio,
     evaluate,
     majority_vote,
     normalize_answer,
@@ -291,6 +292,25 @@ def test_bootstrap_interval_contains_the_mean_and_shrinks_with_more_tasks():
         widths[n] = estimate.high - estimate.low
     # The width scales as 1/sqrt(n): 16 times the tasks, about a quarter of the width.
     assert widths[400] < 0.5 * widths[25]
+
+
+def test_bootstrap_ratio_resamples_groups_not_items():
+    """A group's items move together: giving every group k times its items (same fraction)
+    leaves the interval as it is, where resampling the items would narrow it; with one item
+    per group it is bootstrap_mean."""
+    rng = np.random.default_rng(0)
+    items = rng.integers(1, 6, 40)
+    hits = rng.binomial(items, 0.7)
+    base = bootstrap_ratio(hits, items, seed=2)
+    assert base.value == pytest.approx(hits.sum() / items.sum()) and base.low < base.value < base.high
+    assert bootstrap_ratio(5 * hits, 5 * items, seed=2) == pytest.approx(base)
+    per_item = bootstrap_mean([float(i < h) for h, n in zip(5 * hits, 5 * items) for i in range(n)], seed=2)
+    assert per_item.high - per_item.low < 0.7 * (base.high - base.low)
+    flags = (rng.random(30) < 0.4).astype(float)
+    assert bootstrap_ratio(flags, np.ones(30), seed=3) == pytest.approx(bootstrap_mean(flags, seed=3))
+    for bad in (([1.0], [0.0]), ([1.0], [1.0, 2.0]), ([], [])):
+        with pytest.raises(ValueError):
+            bootstrap_ratio(*bad)
 
 
 def test_bootstrap_is_seeded_and_degenerate_cases_are_clear():
