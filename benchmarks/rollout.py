@@ -1,9 +1,11 @@
 """Rollout efficiency: clone trees against flat generation and against one branch at a time.
 
-Three ways to generate on the same model, measured in the same run (best of ``--repeats``):
+Four ways to generate on the same model, measured in the same run (best of ``--repeats``):
 
 - trees: the `RolloutEngine` expands a batch of clone trees, every branch that waits for
-  tokens decoded together (`HFBackend`);
+  tokens decoded together (`HFBackend`), a node that resumes after its clones reusing the
+  KV cache it stopped with;
+- trees without the prefix cache: the same, every resumed node prefilling its whole context;
 - flat: one batched generation of as many sequences as trees, together producing the same
   number of generated tokens (the best case for the hardware);
 - one branch at a time: the same trees expanded with a batch size of one.
@@ -41,8 +43,9 @@ def tokens_of(tree) -> dict[str, list[int]]:
     return {node_id: node.context_ids() for node_id, node in tree.nodes.items()}
 
 
-def time_trees(policy, tasks, batch_size: int):
-    backend = HFBackend(policy.model, policy.tokenizer.pad_token_id, max_batch_size=batch_size)
+def time_trees(policy, tasks, batch_size: int, prefix_cache_mb: float = 512):
+    backend = HFBackend(policy.model, policy.tokenizer.pad_token_id, max_batch_size=batch_size,
+                        prefix_cache_mb=prefix_cache_mb)
     engine = RolloutEngine(backend, policy.protocol, BUDGET, GREEDY)
     start = time.perf_counter()
     trees = engine.rollout(tasks)
@@ -76,30 +79,38 @@ def main() -> None:
     tasks = load_tasks("keyed_sum", split="test", n_train=2000, n_test=200, n_ood=0,
                        train={"num_keys": 4, "list_len": 3, "max_value": 3})[: args.tasks]
 
-    tree_times, serial_times, flat_times = [], [], []
-    for _ in range(args.repeats):
+    tree_times, uncached_times, serial_times, flat_times = [], [], [], []
+    for _ in range(args.repeats):  # alternating, so that load drifts hit every way alike
         elapsed, trees, backend = time_trees(policy, tasks, batch_size=256)
         tree_times.append(elapsed)
+        elapsed, uncached_trees, uncached = time_trees(policy, tasks, batch_size=256, prefix_cache_mb=0)
+        uncached_times.append(elapsed)
         generated = sum(t.costs().generated_tokens for t in trees)
         elapsed, flat = time_flat(policy, tasks, round(generated / len(tasks)))
         flat_times.append(elapsed)
         elapsed, serial, _ = time_trees(policy, tasks, batch_size=1)
         serial_times.append(elapsed)
     same = [tokens_of(a) == tokens_of(b) for a, b in zip(trees, serial)]
-    t_tree, t_flat, t_serial = min(tree_times), min(flat_times), min(serial_times)
+    same_uncached = [tokens_of(a) == tokens_of(b) for a, b in zip(trees, uncached_trees)]
+    t_tree, t_uncached, t_flat, t_serial = (min(tree_times), min(uncached_times), min(flat_times),
+                                            min(serial_times))
     clones = sum(t.costs().clones for t in trees) / len(trees)
     print(f"{len(trees)} trees, {clones:.1f} clones each, {generated} generated tokens; "
-          f"{backend.batches} batches, {backend.forward_passes} forward passes; "
-          f"{sum(same)}/{len(same)} trees identical when expanded one branch at a time")
+          f"{backend.batches} batches, {backend.forward_passes} forward passes; trees identical: "
+          f"{sum(same)}/{len(same)} expanded one branch at a time, "
+          f"{sum(same_uncached)}/{len(same_uncached)} without the prefix cache")
     print(f"trees                  {t_tree:7.2f} s   {generated / t_tree:8.0f} tokens/s")
+    print(f"trees, no prefix cache {t_uncached:7.2f} s   {generated / t_uncached:8.0f} tokens/s")
     print(f"flat, same tokens      {t_flat:7.2f} s   {generated / t_flat:8.0f} tokens/s")
     print(f"one branch at a time   {t_serial:7.2f} s   {generated / t_serial:8.0f} tokens/s")
-    print(f"trees / flat = {t_tree / t_flat:.2f}x the time;  one-at-a-time / trees = {t_serial / t_tree:.1f}x")
-    # Where the trees' extra time goes (last repeat): each resumed node prefills its whole
-    # context again (no prefix cache), and waves decode fewer rows per pass than one batch.
-    for name, b in (("trees", backend), ("flat", flat)):
-        print(f"{name:5s}: {b.batches} batches, {b.forward_passes} forward passes, {b.prefill_tokens} "
-              f"prefilled tokens ({b.prefill_real_tokens} without padding) in {b.prefill_seconds:.2f} s")
+    print(f"trees / flat = {t_tree / t_flat:.2f}x the time (without the prefix cache "
+          f"{t_uncached / t_flat:.2f}x);  one-at-a-time / trees = {t_serial / t_tree:.1f}x")
+    # Where the trees' extra time goes (last repeat): the clones' own prompts, what resumed
+    # nodes still prefill, and waves that decode fewer rows per pass than one batch.
+    for name, b in (("trees", backend), ("trees, no prefix cache", uncached), ("flat", flat)):
+        print(f"{name}: {b.batches} batches, {b.forward_passes} forward passes, {b.prefill_tokens} "
+              f"prefilled tokens ({b.prefill_real_tokens} without padding; {b.cached_prompt_tokens} "
+              f"taken from the prefix cache) in {b.prefill_seconds:.2f} s")
 
 
 if __name__ == "__main__":

@@ -253,8 +253,9 @@ def test_development_test_lines_use_declared_markers_and_existing_paths(pytestco
 def test_rollout_benchmark_runs_on_a_tiny_saved_policy(tmp_path):
     ClonePolicy.build_tiny(seed=0).save_pretrained(tmp_path / "policy")
     printed = ok(f"{ROLLOUT_BENCH} --policy {tmp_path / 'policy'} --tasks 2 --repeats 1", REPO).stdout
-    assert "trees / flat =" in printed
-    assert re.search(r"^flat : 1 batches, \d+ forward passes, \d+ prefilled tokens", printed, re.MULTILINE)
+    assert "trees / flat =" in printed and "without the prefix cache" in printed
+    assert re.search(r"^flat: 1 batches, \d+ forward passes, \d+ prefilled tokens", printed, re.MULTILINE)
+    assert re.search(r"^trees, no prefix cache: .* 0 taken from the prefix cache", printed, re.MULTILINE)
 
 
 def test_train_step_benchmark_runs_at_its_smallest():

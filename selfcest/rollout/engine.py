@@ -210,6 +210,8 @@ class RolloutEngine:
             stop_token_ids=self._stop_token_ids(),
             sampling=self.sampling,
             seed=self._seed(run, node.id, call),
+            # A node that stops on its spawn call resumes with the clones' answers appended.
+            resume_token_ids=(self.protocol.spawn_stop_id,) if self.spawning else (),
         )
         if self.call_timeout_s is None:
             return await request

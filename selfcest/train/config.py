@@ -106,6 +106,9 @@ class RolloutConfig:
     top_p: float = setting(1.0, help="nucleus sampling mass (1 = off)")
     top_k: int = setting(0, help="top-k sampling (0 = off)")
     max_batch_size: int = setting(64, help="hf backend: most sequences decoded together in one batch")
+    prefix_cache_mb: float = setting(512, help=(
+        "hf backend: memory (MiB) for the KV cache of nodes that stopped on a spawn call, so "
+        "that resuming with the clones' answers prefills only the answers (0 = off)"))
     call_timeout_s: float | None = setting(None, help="seconds one generation call may take before its node fails (null = no limit)")
     budget: Budget = setting(help="token budgets of every tree (selfcest.budget.Budget)", factory=Budget)
     vllm: VLLMConfig = setting(help="vLLM engine settings, used when backend is vllm", factory=VLLMConfig)
@@ -117,6 +120,7 @@ class RolloutConfig:
     def check(self) -> None:
         _at_least(self, 0, "temperature", "top_k")
         _at_least(self, 1, "max_batch_size")
+        _at_least(self, 0, "prefix_cache_mb")
         require(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1]; got {self.top_p!r}")
 
 

@@ -177,7 +177,8 @@ class GRPOTrainer:
             return FollowerBackend()
         if rollout.backend == "vllm":
             return VLLMBackend.from_policy(self.policy, **asdict(rollout.vllm))
-        return HFBackend(self.rollout_model, self.policy.tokenizer.pad_token_id, rollout.max_batch_size)
+        return HFBackend(self.rollout_model, self.policy.tokenizer.pad_token_id, rollout.max_batch_size,
+                         rollout.prefix_cache_mb)
 
     def _publish_weights(self) -> None:
         """Make rollouts use the trained weights (after an update, or a resume)."""

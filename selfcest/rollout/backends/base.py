@@ -50,7 +50,10 @@ class Backend(Protocol):
 
     Concurrent `generate` calls are expected: a backend should batch requests that are
     pending at the same time. ``seed`` makes one request's sampling reproducible whatever
-    else is batched with it. ``weight_version`` increases every time new weights are served.
+    else is batched with it. ``resume_token_ids`` are the stop tokens after which a later
+    request continues this sequence (its prompt starts with this prompt and completion): a
+    backend may keep the sequence's KV cache for it. ``weight_version`` increases every time
+    new weights are served.
     """
 
     weight_version: int
@@ -63,6 +66,7 @@ class Backend(Protocol):
         stop_token_ids: Sequence[int],
         sampling: SamplingParams,
         seed: int,
+        resume_token_ids: Sequence[int] = (),
     ) -> Completion: ...
 
     def sync_weights(self, model) -> None:

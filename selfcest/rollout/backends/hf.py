@@ -9,6 +9,13 @@ while long ones finish.
 Sampling draws each row's token with the row's own seeded generator, so a request's tokens
 do not depend on what else was batched with it (up to floating-point effects of padding).
 
+A row that stops on one of its request's ``resume_token_ids`` (a node's spawn call) leaves
+its keys and values in a `PrefixCache`; the request that resumes the node, whose prompt
+starts with that row's tokens, prefills only what came after them (the clones' answers).
+Keys computed one token at a time and in one prefill differ in their last bits, so a
+resumed node can sample differently than without the cache, as it can when batched with
+other rows.
+
 Simplification: requests that arrive while a batch is decoding wait for the next batch
 (no continuous batching); at the tree sizes this backend serves, the engine's waves keep
 batches full. vLLM is the engine for continuous batching.
@@ -25,8 +32,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from selfcest.rollout.backends.base import Completion, SamplingParams, check_request
+from selfcest.rollout.backends.prefix_cache import PrefixCache
 
 
 @dataclass
@@ -36,6 +45,7 @@ class _Request:
     stop_token_ids: frozenset[int]
     sampling: SamplingParams
     seed: int
+    resume_token_ids: frozenset[int]
     future: asyncio.Future
 
 
@@ -46,21 +56,28 @@ class HFBackend:
     same object `sync_weights` only has to bump the version.
     """
 
-    def __init__(self, model, pad_token_id: int, max_batch_size: int = 64) -> None:
+    def __init__(self, model, pad_token_id: int, max_batch_size: int = 64,
+                 prefix_cache_mb: float = 512) -> None:
+        """``prefix_cache_mb``: memory for the keys and values of rows that stopped, until
+        the request that resumes them (0 turns the prefix cache off)."""
         self.model = model
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.weight_version = 0
+        self.prefix_cache = (PrefixCache(int(prefix_cache_mb * 2**20))
+                             if prefix_cache_mb > 0 and plain_attention_cache(model) else None)
         self._pending: list[_Request] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         # Counters for benchmarks and logs: passes, batches, prompt positions prefilled (with
-        # and without padding) and the seconds of the prefill passes.
+        # and without padding), prompt positions taken from the prefix cache instead, and the
+        # seconds of the prefill passes.
         self.forward_passes = 0
         self.batches = 0
         self.prefill_tokens = 0
         self.prefill_real_tokens = 0
+        self.cached_prompt_tokens = 0
         self.prefill_seconds = 0.0
 
     # ------------------------------------------------------------------ async front
@@ -73,12 +90,13 @@ class HFBackend:
         stop_token_ids: Sequence[int],
         sampling: SamplingParams,
         seed: int,
+        resume_token_ids: Sequence[int] = (),
     ) -> Completion:
         check_request(prompt_ids, max_tokens)
         loop = asyncio.get_running_loop()
         self._ensure_worker(loop)
         request = _Request(list(prompt_ids), max_tokens, frozenset(stop_token_ids), sampling,
-                           seed, loop.create_future())
+                           seed, frozenset(resume_token_ids), loop.create_future())
         self._pending.append(request)
         self._wakeup.set()
         return await request.future
@@ -133,24 +151,14 @@ class HFBackend:
     def _decode(self, requests: Sequence[_Request]) -> list[Completion]:
         model = self.model
         device = next(model.parameters()).device
-        width = max(len(r.prompt_ids) for r in requests)
-        input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(requests), width), dtype=torch.long)
-        for row, request in enumerate(requests):
-            input_ids[row, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
-            attention[row, width - len(request.prompt_ids):] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        input_ids, attention, positions, cache = self._prefill_inputs(requests, device)
         generators = [torch.Generator().manual_seed(r.seed) for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
         finish: list[str] = ["length"] * len(requests)
         live = list(range(len(requests)))  # request index of each batch row
-        cache = DynamicCache(config=model.config)
         cache_arg = cache_argument(model)
         self.batches += 1
-        self.prefill_tokens += input_ids.numel()
-        self.prefill_real_tokens += sum(len(r.prompt_ids) for r in requests)
         prefill_start = time.perf_counter()
         while True:
             out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
@@ -171,6 +179,8 @@ class HFBackend:
                 logprobs[index].append(drawn_logprobs[row])
                 if token in requests[index].stop_token_ids:
                     finish[index] = "stop"
+                    if token in requests[index].resume_token_ids:
+                        self._keep_prefix(cache, row, requests[index].prompt_ids + tokens[index][:-1])
                 elif len(tokens[index]) < requests[index].max_tokens:
                     keep_rows.append(row)
                     next_tokens.append(token)
@@ -189,6 +199,52 @@ class HFBackend:
             for i in range(len(requests))
         ]
 
+    def _prefill_inputs(self, requests: Sequence[_Request], device):
+        """Input ids, attention mask and positions of the batch's first pass, and the KV
+        cache it starts from.
+
+        Rows are left-padded to the longest prompt. Where prompts start with a cached prefix,
+        the first pass feeds only the last ``fed`` columns, ``fed`` being the longest part of
+        any prompt that is not cached; every row's columns before those come from its cached
+        prefix (a row whose prefix is longer than that recomputes the rest; a row without one
+        is no longer than ``fed``).
+        """
+        prefixes = [None] * len(requests)
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_weights(self.model)
+            prefixes = [self.prefix_cache.take(r.prompt_ids) for r in requests]
+        lengths = [len(r.prompt_ids) for r in requests]
+        width = max(lengths)
+        fed = max(n - (p.length if p else 0) for n, p in zip(lengths, prefixes))
+        input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(requests), width), dtype=torch.long)
+        for row, request in enumerate(requests):
+            input_ids[row, width - lengths[row]:] = torch.tensor(request.prompt_ids)
+            attention[row, width - lengths[row]:] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cached = width - fed  # columns whose keys and values come from the prefix cache
+        key_values = None
+        if cached:
+            key_values = _batch_key_values(
+                [(p.key_values, max(0, n - fed)) if p else (None, 0) for n, p in zip(lengths, prefixes)],
+                cached, device)
+        self.cached_prompt_tokens += sum(max(0, n - fed) for n in lengths)
+        self.prefill_tokens += len(requests) * fed
+        self.prefill_real_tokens += sum(min(n, fed) for n in lengths)
+        cache = DynamicCache(ddp_cache_data=key_values, config=self.model.config)
+        return input_ids[:, cached:], attention, positions[:, cached:], cache
+
+    def _keep_prefix(self, cache: DynamicCache, row: int, token_ids: list[int]) -> None:
+        """Store the keys and values of batch row ``row``, whose fed tokens are ``token_ids``
+        (the last ones in every layer's cache; the columns before them are padding)."""
+        if self.prefix_cache is None:
+            return
+        length = len(token_ids)
+        self.prefix_cache.put(token_ids, [
+            (layer.keys[row:row + 1, :, -length:].clone(), layer.values[row:row + 1, :, -length:].clone())
+            for layer in cache.layers])
+
     def sync_weights(self, model=None) -> None:
         """Serve ``model``'s weights (load them if it is another object); bump the version."""
         if model is not None and model is not self.model:
@@ -200,6 +256,33 @@ class HFBackend:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _batch_key_values(rows, width: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the keys and values of a batch whose rows are ``(key_values, used)``: the
+    first ``used`` positions of a row's cached prefix, right-aligned in ``width`` columns
+    (the columns before them are padding the attention mask hides)."""
+    sample = next(kv for kv, used in rows if used)
+    layers = []
+    for layer, (keys, values) in enumerate(sample):
+        batch_keys = keys.new_zeros((len(rows), keys.shape[1], width, keys.shape[3]), device=device)
+        batch_values = values.new_zeros((len(rows), values.shape[1], width, values.shape[3]), device=device)
+        for row, (key_values, used) in enumerate(rows):
+            if used:
+                batch_keys[row, :, width - used:] = key_values[layer][0][0, :, :used]
+                batch_values[row, :, width - used:] = key_values[layer][1][0, :, :used]
+        layers.append((batch_keys, batch_values))
+    return layers
+
+
+def plain_attention_cache(model) -> bool:
+    """Whether ``model``'s KV cache is a stack of plain full-attention layers, the only kind
+    a cached prefix can be spliced into (not sliding-window, linear or recurrent layers)."""
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # a config transformers cannot read layer types from
+        return False
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 def cache_argument(model) -> str:

@@ -41,6 +41,7 @@ class ScriptedBackend:
         stop_token_ids: Sequence[int],
         sampling: SamplingParams,
         seed: int,
+        resume_token_ids: Sequence[int] = (),
     ) -> Completion:
         text = self.respond(self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False))
         ids = self.tokenizer.encode(text, add_special_tokens=False)

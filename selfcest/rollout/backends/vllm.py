@@ -244,6 +244,7 @@ class VLLMBackend:
         stop_token_ids: Sequence[int],
         sampling: SamplingParams,
         seed: int,
+        resume_token_ids: Sequence[int] = (),
     ) -> Completion:
         check_request(prompt_ids, max_tokens)
         if len(prompt_ids) + max_tokens > self.max_model_len:

@@ -229,6 +229,99 @@ def test_sync_serves_the_new_weights_under_a_new_version(tiny_policy):
     assert (sampled - stale).abs().max() > 1e-2
 
 
+def node_tokens(trees):
+    return [{node_id: node.context_ids() for node_id, node in tree.nodes.items()} for tree in trees]
+
+
+def test_a_resumed_node_prefills_only_what_its_cached_prefix_does_not_cover(spawning_policy, demo_task):
+    """Roots that stop on their spawn call keep their KV cache; resuming with the clones'
+    answers prefills only the answers, and the trees are those sampled without the cache."""
+
+    def rollout(prefix_cache_mb):
+        backend = HFBackend(spawning_policy.model, spawning_policy.tokenizer.pad_token_id,
+                            prefix_cache_mb=prefix_cache_mb)
+        engine = RolloutEngine(backend, spawning_policy.protocol, Budget(max_depth=1),
+                               SamplingParams(temperature=0))
+        return engine.rollout([demo_task] * 4, samples_per_task=2), backend
+
+    trees, cached = rollout(512)
+    plain_trees, plain = rollout(0)
+    assert node_tokens(trees) == node_tokens(plain_trees)
+    assert all(tree.answer == "10" for tree in trees)
+    # A resumed root's cache holds its prompt and its turn up to the spawn-close token.
+    resumed = sum(len(t.root.prompt_ids) + len(t.root.segments[0].token_ids) - 1 for t in trees)
+    assert cached.cached_prompt_tokens == resumed > 0 and plain.cached_prompt_tokens == 0
+    assert plain.prefill_real_tokens - cached.prefill_real_tokens == resumed
+
+
+def stop_and_resume_requests(tokenizer, backend, count, sampling):
+    """``count`` first calls that stop on a token they sample (a resume token) at different
+    depths, and the prompts that resume them with suffixes of different lengths."""
+    first_prompts = prompts(tokenizer, count)
+    free = generate_all(backend, [(p, dict(max_tokens=16, stop_token_ids=[], sampling=sampling, seed=i))
+                                  for i, p in enumerate(first_prompts)])
+    stops = [[c.token_ids[2 + 3 * i]] for i, c in enumerate(free)]
+    first = generate_all(backend, [
+        (p, dict(max_tokens=16, stop_token_ids=stop, resume_token_ids=stop, sampling=sampling, seed=i))
+        for i, (p, stop) in enumerate(zip(first_prompts, stops))])
+    assert all(c.finish_reason == "stop" for c in first)
+    resumed = [p + c.token_ids + tokenizer.encode(" answer" * (1 + 2 * i))
+               for i, (p, c) in enumerate(zip(first_prompts, first))]
+    # What each first call leaves cached: its prompt and tokens up to the resume token.
+    return resumed, [len(p) + len(c.token_ids) - 1 for p, c in zip(first_prompts, first)]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0)])
+def test_a_cached_prefix_samples_what_a_full_prefill_samples(tiny_policy, sampling):
+    """Resumed rows whose cached prefixes differ in length, batched with fresh prompts longer
+    and shorter than their uncached parts (so some rows recompute part of their prefix):
+    the same tokens as without the cache, and the logprobs within float noise."""
+    tokenizer, pad = tiny_policy.tokenizer, tiny_policy.tokenizer.pad_token_id
+    model = tiny_policy.model.eval()
+    fresh = [prompts(tokenizer, 2)[1], tokenizer.encode("Sum")]
+    results = []
+    for prefix_cache_mb in (512, 0):
+        backend = HFBackend(model, pad, prefix_cache_mb=prefix_cache_mb)
+        resumed, stored = stop_and_resume_requests(tokenizer, backend, 3, sampling)
+        second = generate_all(backend, [(p, dict(max_tokens=10, stop_token_ids=[], sampling=sampling, seed=50 + i))
+                                        for i, p in enumerate(resumed + fresh)])
+        results.append((second, backend))
+    (cached, with_cache), (plain, without) = results
+    # The first pass feeds the longest uncached part of any prompt; each resumed row takes
+    # from its cache only the columns before that.
+    fed = max([len(p) - n for p, n in zip(resumed, stored)] + [len(p) for p in fresh])
+    used = [max(0, len(p) - fed) for p in resumed]
+    assert any(0 < u < n for u, n in zip(used, stored))  # a row that recomputes part of its prefix
+    assert with_cache.cached_prompt_tokens == sum(used) > 0 and without.cached_prompt_tokens == 0
+    assert [c.token_ids for c in cached] == [c.token_ids for c in plain]
+    for a, b in zip(cached, plain):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_a_cached_prefix_is_not_used_once_the_weights_change(tiny_policy):
+    model = copy.deepcopy(tiny_policy.model).eval()
+    backend = HFBackend(model, tiny_policy.tokenizer.pad_token_id)
+    (resumed,), _ = stop_and_resume_requests(tiny_policy.tokenizer, backend, 1, SamplingParams())
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))  # an optimizer step, without a sync
+    (completion,) = generate_all(backend, [(resumed, dict(max_tokens=6, stop_token_ids=[],
+                                                          sampling=SamplingParams(), seed=0))])
+    assert backend.cached_prompt_tokens == 0
+    ids = torch.tensor([resumed + completion.token_ids])
+    logp = forward_logprobs(model, ids, torch.ones_like(ids))[0][0, len(resumed):]
+    assert torch.allclose(torch.tensor(completion.logprobs), logp, atol=1e-5)
+
+
+def test_models_with_sliding_window_layers_get_no_prefix_cache():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                         sliding_window=8, max_window_layers=0)
+    assert HFBackend(Qwen2ForCausalLM(config), 0).prefix_cache is None
+
+
 def test_bad_requests_fail_clearly(tiny_policy):
     backend = HFBackend(tiny_policy.model, tiny_policy.tokenizer.pad_token_id)
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
