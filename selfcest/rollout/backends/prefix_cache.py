@@ -3,9 +3,9 @@
 A node that stops on a spawn call resumes later with its whole context as the prompt: its
 own prompt and turn, then the clones' answers. Without a cache that context is prefilled
 again; in a clone tree those re-prefills are about two fifths of all prefill work. The HF
-backend stores the keys and values of every row that stops on a stop token here, and a
-later request whose prompt starts with a stored sequence takes that entry and prefills only
-the rest.
+backend stores here the keys and values of every row that stops on one of its request's
+resume tokens (the spawn-close token), and a later request whose prompt starts with a
+stored sequence takes that entry and prefills only the rest.
 
 An entry is used once per row that stored it (a node resumes once; rows with the same
 tokens, such as the roots of one task sampled greedily, share one entry) and is dropped when
