@@ -48,15 +48,25 @@ def correct(method: str, budget: int, split: str) -> list[int]:
 
 
 def trees(method: str, hits: list[int]) -> list[CloneTree]:
-    """One single-node tree per task; model text with markup, which the page must escape."""
+    """One single-node tree per task; model text with markup, which the page must escape.
+
+    sc@4 draws 4 samples a task, as evaluation saves them: the first is the one its vote
+    elected (right where ``hits`` says), the last is wrong where the vote is right and right
+    where it is wrong, so a report that read any sample but the elected one would be off."""
     made = []
+    samples = 4 if method.startswith("sc@") else 1
     for i, hit in enumerate(hits):
-        tree = CloneTree(task_id=f"t{i}", task_index=i, sample_index=0, reward=float(hit),
-                         correct=bool(hit), info={"method": method})
-        tree.add(Node("0", None, 0, None, [1, 2],
-                      segments=[Segment("sampled", [3, 4, 5], [-0.1] * 3, "Answer: <b>{{ 7*7 }}</b>")],
-                      finish_reason="eos", answer="{{ 7*7 }}"))
-        made.append(tree)
+        for k in range(samples):
+            right = bool(hit) if k < samples - 1 or samples == 1 else not hit
+            info = {"method": method}
+            if samples > 1:
+                info["vote"] = {"answer": "7", "count": 3, "samples": samples, "elected": k == 0}
+            tree = CloneTree(task_id=f"t{i}", task_index=i, sample_index=k, reward=float(right),
+                             correct=right, info=info)
+            tree.add(Node("0", None, 0, None, [1, 2],
+                          segments=[Segment("sampled", [3, 4, 5], [-0.1] * 3, "Answer: <b>{{ 7*7 }}</b>")],
+                          finish_reason="eos", answer="{{ 7*7 }}"))
+            made.append(tree)
     return made
 
 
@@ -156,6 +166,10 @@ def test_accuracy_against_the_sft_start_and_frontiers(report):
     assert "| clones | sc@4 | out-of-distribution | yes | no |" in findings
     assert "| split | budget | clones | monolithic | sc@4 | clones − monolithic | clones − sc@4 |" in findings
     assert "| in-distribution | 256 | 0.50 | 0.00 | 0.25 | +0.50 [" in findings
+    # The lead over sc@4 compares with its vote (the elected sample): clones [1, 1, 0, 0]
+    # against the vote's [1, 0, 0, 0] at 256, and [1, 1, 1, 0] against [1, 1, 0, 0] at 1024.
+    assert "| in-distribution | 256 | 0.50 | 0.00 | 0.25 | +0.50 [+0.00, +1.00] | +0.25 [+0.00, +0.75] |" in findings
+    assert "| out-of-distribution | 1024 | 0.75 | 0.25 | 0.50 | +0.50 [+0.00, +1.00] | +0.25 [+0.00, +0.75] |" in findings
     assert "- out-of-distribution, clones: accuracy 0.75 [0.50, 1.00], 512 tokens, critical path 256" in findings
 
 
