@@ -356,6 +356,7 @@ class ToolCallProtocol(Protocol):
     name = "tool"
     required_tokens = (CALL, CALL_END)
     TOOL_NAME = "spawn_clone"
+    EXAMPLE = '{"name": "spawn_clone", "arguments": {"objectives": ["...", "..."]}}'
     ARGUMENTS = ("objectives", "shared_context", "max_tokens")
     OBJECTIVE_FIELDS = ("objective", "shared_context", "max_tokens")
     SCHEMA = {
@@ -454,9 +455,7 @@ class ToolCallProtocol(Protocol):
             "of you, which sees only that objective (and the shared_context keys you name) and "
             "returns a short answer. Optional: max_tokens, each clone's generation budget. "
             "Call it as\n"
-            + self.CALL
-            + '\n{"name": "spawn_clone", "arguments": {"objectives": ["...", "..."]}}\n'
-            + self.CALL_END
+            + f"{self.CALL}\n{self.EXAMPLE}\n{self.CALL_END}"
         )
 
     # --------------------------------------------------------------- parsing
@@ -469,6 +468,10 @@ class ToolCallProtocol(Protocol):
         if start < 0:
             return ProtocolError(f"{self.CALL_END} without an opening {self.CALL}")
         body = text[start + len(self.CALL) : end].strip()
+        if not body:
+            # The error is all the model reads before it tries again: it shows the call's form
+            # ("invalid JSON" at char 0 would not say what was missing).
+            return ProtocolError(f"empty tool call; write {self.EXAMPLE} between the tags")
         payload = _loads(body)
         if isinstance(payload, ProtocolError):
             return payload

@@ -211,6 +211,9 @@ def test_tool_protocol_parses_hermes_calls(tool):
     "payload, reason",
     [
         ("{not json", "invalid JSON"),
+        # an empty call is told the call's form, which its retry can copy
+        ("", 'empty tool call; write {"name": "spawn_clone", "arguments": {"objectives": ['),
+        (" \n ", "empty tool call"),
         ([1, 2], "must be a JSON object"),
         ({"name": "search", "arguments": {}}, "unknown tool 'search'"),
         ({"name": "spawn_clone", "arguments": {"objectives": []}}, "non-empty list"),
