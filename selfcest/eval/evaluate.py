@@ -373,6 +373,14 @@ def _score_task(
     )
 
 
+def task_correctness(trees: Sequence[CloneTree]) -> dict[str, float]:
+    """Per task, 1.0 if its answer was right, read back from saved trees: a task's one tree,
+    or for self-consistency the tree its vote elected (``info["vote"]["elected"]``, written by
+    `_score_task`; the other samples do not stand for the task)."""
+    return {tree.task_id: float(bool(tree.correct)) for tree in trees
+            if tree.info.get("vote", {}).get("elected", True)}
+
+
 def _slug(name: str) -> str:
     """A file-name-safe form of a method or split name."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "_"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from selfcest.eval.evaluate import task_correctness
 from selfcest.eval.pareto import compare_frontiers
 from selfcest.eval.results import EvalResults
 from selfcest.eval.stats import bootstrap_mean
@@ -20,7 +21,6 @@ from selfcest.policy import SIZES
 from selfcest.tasks import TASKS
 from selfcest.templates import environment
 from selfcest.train.config import TrainConfig
-from selfcest.tree import CloneTree
 
 CLONES, MONO, CLONES_SFT, MONO_SFT = "clones", "monolithic", "clones (SFT start)", "monolithic (SFT start)"
 
@@ -39,13 +39,6 @@ def paired_difference(results: EvalResults, out: Path, a: str, b: str, budget: i
     left, right = correct(a), correct(b)
     paired = bootstrap_mean([left[task] - right[task] for task in sorted(left)], resamples, seed=seed)
     return paired.value, paired.low, paired.high
-
-
-def task_correctness(trees: list[CloneTree]) -> dict[str, float]:
-    """Per task, 1.0 if its answer was right: its tree's, or for self-consistency the tree that
-    the vote elected (``info["vote"]["elected"]``; the other samples do not stand for it)."""
-    return {tree.task_id: float(bool(tree.correct)) for tree in trees
-            if tree.info.get("vote", {}).get("elected", True)}
 
 
 def training_curves(histories: dict[str, list[dict]], path: Path) -> Path:

@@ -57,7 +57,7 @@ def trees(method: str, hits: list[int]) -> list[CloneTree]:
     samples = 4 if method.startswith("sc@") else 1
     for i, hit in enumerate(hits):
         for k in range(samples):
-            right = bool(hit) if k < samples - 1 or samples == 1 else not hit
+            right = bool(hit) != (samples > 1 and k == samples - 1)  # the last sample disagrees
             info = {"method": method}
             if samples > 1:
                 info["vote"] = {"answer": "7", "count": 3, "samples": samples, "elected": k == 0}
