@@ -236,7 +236,7 @@ def test_scaling_out_line_composes_and_validates_but_is_not_run(command, tmp_pat
 # ----------------------------------------------------------------------------- Development
 
 DEVELOPMENT = commands(readme_blocks("## Development")[0])
-ROLLOUT_BENCH, STEP_BENCH = [c for c in DEVELOPMENT if c.startswith("python benchmarks/")]
+ROLLOUT_BENCH, STEP_BENCH, ROOFLINE_BENCH = [c for c in DEVELOPMENT if c.startswith("python benchmarks/")]
 
 
 def test_development_test_lines_use_declared_markers_and_existing_paths(pytestconfig):
@@ -263,6 +263,12 @@ def test_train_step_benchmark_runs_at_its_smallest():
     for name in ("rows, overhead 512", "rows, overhead 32", "packed"):
         assert f"padding_frac ({name})" in printed and f"ratio to rows, overhead 512 ({name})" in printed
     assert "efficiency (limit / update, rows, overhead 32)" in printed
+
+
+def test_roofline_benchmark_runs_at_its_smallest():
+    printed = ok(f"{ROOFLINE_BENCH} --model small --repeats 1", REPO).stdout
+    for phase in ("decode", "update"):
+        assert re.search(rf"^small  {phase} +(\d+\.\d+ +){{6}}\d+\.\d+$", printed, re.MULTILINE), printed
 
 
 # ----------------------------------------------------------------------------- Controller
