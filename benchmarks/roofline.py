@@ -34,27 +34,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl import GROUP, MAX_NEW_TOKENS, MODELS, PROMPTS_PER_STEP, VOCAB, prompts  # noqa: E402
+from vs_trl import GROUP, MAX_NEW_TOKENS, MODELS, PROMPTS_PER_STEP, VOCAB, prompts, random_qwen2  # noqa: E402
 
-from selfcest.policy import build_tokenizer  # noqa: E402
+from selfcest.policy import build_tokenizer, forward_logprobs  # noqa: E402
 from selfcest.rollout.backends.base import SamplingParams  # noqa: E402
 from selfcest.rollout.backends.hf import HFBackend  # noqa: E402
 
 ROWS = PROMPTS_PER_STEP * GROUP
-
-
-def build_model(name: str, vocab_size: int):
-    """The benchmark's random Qwen2 of that name (`vs_trl.build_workload`'s config)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    hidden, layers, heads, kv_heads, intermediate = MODELS[name]
-    config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=2048, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config)
 
 
 def median_seconds(work, repeats: int) -> float:
@@ -83,7 +69,7 @@ def matmul_rate(rows: int, inner: int, outer: int, repeats: int) -> float:
     return calls * 2 * rows * inner * outer / seconds
 
 
-def decode_work(model, prompt_ids: list[int], vocab_size: int):
+def decode_work(model, prompt_ids: list[int]):
     """One decode of the benchmark's step: ROWS concurrent requests, MAX_NEW_TOKENS tokens
     each, T=1, no stop token, which the backend batches as the engine's requests."""
     backend = HFBackend(model, pad_token_id=0, prefix_cache_mb=0)
@@ -99,15 +85,15 @@ def decode_work(model, prompt_ids: list[int], vocab_size: int):
 
 def update_work(model, prompt_ids: list[int], vocab_size: int):
     """One forward and backward of a token-mean policy loss over ROWS sequences of the
-    prompt and MAX_NEW_TOKENS sampled tokens, logits from the first sampled position on."""
+    prompt and MAX_NEW_TOKENS random tokens, through the trainer's own forward
+    (`selfcest.policy.forward_logprobs`, logits from the first sampled position on)."""
     generator = torch.Generator().manual_seed(0)
     completion = torch.randint(0, vocab_size, (ROWS, MAX_NEW_TOKENS), generator=generator)
     ids = torch.cat([torch.tensor(prompt_ids).expand(ROWS, -1), completion], dim=1)
 
     def work():
-        logits = model(input_ids=ids, logits_to_keep=MAX_NEW_TOKENS + 1).logits[:, :-1]
-        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, completion[..., None])
-        (-logprobs.mean()).backward()
+        logprobs = forward_logprobs(model, ids, torch.ones_like(ids), from_position=len(prompt_ids))[0]
+        (-logprobs[:, len(prompt_ids):].mean()).backward()
         model.zero_grad(set_to_none=True)
     return work
 
@@ -120,19 +106,18 @@ def measure(name: str, repeats: int) -> list[dict]:
     prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                add_generation_prompt=True, tokenize=True)
     prompt_ids = list(getattr(prompt_ids, "input_ids", prompt_ids))
-    model = build_model(name, len(tokenizer))
+    model = random_qwen2(name, len(tokenizer))
     hidden, intermediate = MODELS[name][0], MODELS[name][4]
     rows = []
     # Positions each phase feeds through the model: a decode prefills the prompt and feeds
     # every sampled token but the last; an update feeds prompt and completion at once.
     fed = {"decode": ROWS * (len(prompt_ids) + MAX_NEW_TOKENS - 1),
            "update": ROWS * (len(prompt_ids) + MAX_NEW_TOKENS)}
-    for phase, make, matmul_rows in (
-        ("decode", decode_work, ROWS),
-        ("update", update_work, fed["update"]),
+    for phase, work, matmul_rows in (
+        ("decode", decode_work(model, prompt_ids), ROWS),
+        ("update", update_work(model, prompt_ids, len(tokenizer)), fed["update"]),
     ):
         model.train(phase == "update")
-        work = make(model, prompt_ids, len(tokenizer))
         seconds = median_seconds(work, repeats)
         flops = counted_flops(work)
         ceiling = matmul_rate(matmul_rows, hidden, intermediate, repeats)

@@ -79,12 +79,26 @@ def prompts() -> list[tuple[str, str]]:
     return [(f"Add {a} and {b}.", str(a + b)) for a, b in pairs]
 
 
+def random_qwen2(name: str, vocab_size: int, **token_ids):
+    """The random Qwen2 of ``MODELS[name]``, initialised under ``SEED``; ``token_ids``: its
+    pad and EOS ids."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, layers, heads, kv_heads, intermediate = MODELS[name]
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=2048, tie_word_embeddings=True, **token_ids,
+    )
+    torch.manual_seed(SEED)
+    return Qwen2ForCausalLM(config)
+
+
 def build_workload(folder: Path, models: list[str], steps: int) -> None:
     """Write what both libraries read: each model with its tokenizer (``<model>/``), the
     tasks as selfcest reads them (``tasks.jsonl``) and the prompts of every step in the
     order selfcest's task sampler draws them (``schedule.jsonl``), which TRL reads unshuffled."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging
 
     from selfcest.policy import build_tokenizer
@@ -95,15 +109,9 @@ def build_workload(folder: Path, models: list[str], steps: int) -> None:
     logging.disable_progress_bar()
     tokenizer = build_tokenizer(vocab_size=VOCAB, protocol_tokens=False)
     for name in models:
-        hidden, layers, heads, kv_heads, intermediate = MODELS[name]
-        config = Qwen2Config(
-            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
-            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            max_position_embeddings=2048, tie_word_embeddings=True,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        )
-        torch.manual_seed(SEED)
-        Qwen2ForCausalLM(config).save_pretrained(folder / name)
+        model = random_qwen2(name, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+        model.save_pretrained(folder / name)
         tokenizer.save_pretrained(folder / name)
     tasks = [Task(id=f"add{i}", prompt=p, answer=a) for i, (p, a) in enumerate(prompts())]
     write_jsonl(tasks, folder / "tasks.jsonl")

@@ -61,13 +61,18 @@ def fill_missing(node, value: str) -> list[str]:
     return filled
 
 
-def script_main(name: str):
-    """The ``main(argv)`` of ``scripts/<name>.py``, to run a script in process."""
-    path = REPO / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"script_{name}", path)
+def load_module(path: str, name: str):
+    """The Python file ``path`` (relative to the repository) as a module called ``name``:
+    scripts/ and benchmarks/ are not packages."""
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main
+    return module
+
+
+def script_main(name: str):
+    """The ``main(argv)`` of ``scripts/<name>.py``, to run a script in process."""
+    return load_module(f"scripts/{name}.py", f"script_{name}").main
 
 
 def readme_blocks(heading: str, language: str = "bash") -> list[str]:

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
-from helpers import REPO
-
-
-def load_benchmark():
-    """The benchmark script as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("roofline", REPO / "benchmarks/roofline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_module
 
 
 def test_counted_work_is_a_forward_per_decoded_position_and_three_per_trained_one(monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ on the path
-    roofline = load_benchmark()
+    roofline = load_module("benchmarks/roofline.py", "roofline")
     rows = {row["phase"]: row for row in roofline.measure("small", repeats=1)}
-    model = roofline.build_model("small", vocab_size=16)
+    model = roofline.random_qwen2("small", vocab_size=16)
     # Matmul weights of the decoder layers: 2 FLOPs per weight and position forward, 4 more
     # backward (gradients of the input and of the weight); attention and the output layer
     # add less than half of that at these lengths.

@@ -3,12 +3,11 @@ comparison at its shortest (marked ``trl``: needs .venv-trl, ``bash scripts/setu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 
 import pytest
-from helpers import REPO, commands, readme_blocks, shell
+from helpers import REPO, commands, load_module, readme_blocks, shell
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfcest.cli import register_schemas
@@ -20,15 +19,7 @@ from selfcest.train.setup import build_trainer
 SETUP, COMMAND = commands(readme_blocks("### Against TRL")[0])
 
 
-def load_benchmark():
-    """The benchmark script as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("vs_trl", REPO / "benchmarks/vs_trl.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-vs_trl = load_benchmark()
+vs_trl = load_module("benchmarks/vs_trl.py", "vs_trl")
 
 
 def test_reward_is_the_digit_share_plus_one_for_the_sum_as_a_whole_number():
