@@ -377,27 +377,31 @@ class RolloutEngine:
     def _inject(self, node: Node, results: list[CloneResult], kind: str) -> None:
         # Keep one token of context free so the parent can always continue after the results.
         room = self.budget.node_context - node.context_length - 1
-        ids = self._render(results, room)
+        # return_tokens caps what a clone says; a notice is the engine's own short text, and
+        # cut to a clone's answer it would lose what the model needs to repair its call (the
+        # form an empty call is shown), so only the context bounds it.
+        per_result = self.budget.return_tokens if kind == "return" else room
+        ids = self._render(results, room, per_result)
         if ids is None:
             node.finish_reason = "budget"
             return
         node.segments.append(Segment(kind, ids, None, self.protocol.decode(ids)))
 
-    def _render(self, results: list[CloneResult], room: int) -> list[int] | None:
+    def _render(self, results: list[CloneResult], room: int, per_result: int) -> list[int] | None:
         """The results' tokens; each result that fails to render alone is replaced by an error
         entry, so the parent still reads the others (a failure of the framing itself, which no
         result causes, still fails the node)."""
         try:
-            return self.protocol.render_results(results, room, self.budget.return_tokens)
+            return self.protocol.render_results(results, room, per_result)
         except Exception:
-            results = [self._renderable(result, room) for result in results]
-        return self.protocol.render_results(results, room, self.budget.return_tokens)
+            results = [self._renderable(result, room, per_result) for result in results]
+        return self.protocol.render_results(results, room, per_result)
 
-    def _renderable(self, result: CloneResult, room: int) -> CloneResult:
+    def _renderable(self, result: CloneResult, room: int, per_result: int) -> CloneResult:
         """``result``, or an error entry naming the exception type (not its message, which may
         carry the offending text) when it does not render."""
         try:
-            self.protocol.render_results([result], room, self.budget.return_tokens)
+            self.protocol.render_results([result], room, per_result)
         except Exception as error:
             return CloneResult(error=f"the result could not be rendered ({type(error).__name__})")
         return result

@@ -30,6 +30,14 @@ running computation, one operation per line::
     -103 + 8 = -95
     Answer: -95<|im_end|>
 
+With probability ``repair`` a delegating root's first call is malformed instead, in one of
+the ways SmolLM2-135M was seen to fail (`MALFORMED`: an empty call, the tool named
+``tool_call``, the JSON cut short); the engine answers it with an error notice, and the root
+then writes the correct call. Such a demonstration shows a model how to recover from its
+own mistake; the warm start never trains on the malformed call itself
+(`selfcest.train.sft.sft_samples` masks every turn the engine rejected), and the repaired
+call is only admitted where ``spawn_rounds`` allows a second call.
+
 Every turn that ends a node's work ends with ``end`` (the chat template's end-of-turn text;
 ``<|im_end|>`` for SmolLM2 and the tiny models). A prompt the teacher cannot read (no chain
 sum in its first user message, clone answers that are not integers) raises ValueError, which
@@ -52,6 +60,15 @@ _CHAIN = re.compile(r"(-?\d+)((?:\s*[+-]\s*-?\d+)*)\s*=?\s*$")
 _STEP = re.compile(r"([+-])\s*(-?\d+)")
 _RETURN_LINE = re.compile(r"^\s*\d+\s*:\s*(.*?)\s*$")
 _INTEGER = re.compile(r"-?\d+")
+_ERROR_LINE = re.compile(r"^\s*\d+\s*:\s*error:")
+
+# The malformed first calls of repair demonstrations, as a function of the correct call's
+# JSON: the ways SmolLM2-135M-Instruct's sampled calls failed to parse (docs/smollm.md).
+MALFORMED = {
+    "empty": lambda call: "",
+    "name": lambda call: call.replace('"spawn_clone"', '"tool_call"', 1),
+    "json": lambda call: call[:-1],
+}
 
 
 def parse_chain(text: str) -> list[int]:
@@ -120,13 +137,17 @@ class ChainSumTeacher:
     tool_name: str = "spawn_clone"
     # The chat template's end-of-turn text, which closes every final turn.
     end: str = "<|im_end|>"
-    # Seed of the teacher's own draws (whether a root delegates).
+    # Probability that a delegating root first writes a malformed call (one of `MALFORMED`,
+    # drawn uniformly), reads the engine's error notice, and then writes the correct call.
+    repair: float = 0.0
+    # Seed of the teacher's own draws (whether a root delegates, and how).
     seed: int = 0
     _rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.delegate <= 1.0:
-            raise ValueError(f"delegate must be a probability, got {self.delegate}")
+        for name in ("delegate", "repair"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be a probability, got {getattr(self, name)}")
         if self.min_delegate_terms < 2:
             raise ValueError(f"min_delegate_terms must be >= 2, got {self.min_delegate_terms}")
         if self.max_pieces < 2:
@@ -144,6 +165,8 @@ class ChainSumTeacher:
         question = user.group(1).strip()
         terms = parse_chain(question)
         returned = _TOOL_RESPONSE.findall(prompt[user.end():])
+        if len(returned) == 1 and _is_notice(returned[0]):  # its malformed call was rejected
+            return self._spawn(terms)
         if returned:  # resumed after the clones answered: add their answers
             return self._combine(returned[-1])
         is_clone = question.startswith(self.objective_prefix + " ")
@@ -151,6 +174,8 @@ class ChainSumTeacher:
         # spawn is shown none, see ToolCallProtocol.root_prompt).
         offered = self.tool_name in prompt[: user.start()]
         if offered and not is_clone and len(terms) >= self.min_delegate_terms and self._rng.random() < self.delegate:
+            if self.repair and self._rng.random() < self.repair:
+                return self._spawn(terms, malformed=self._rng.choice(sorted(MALFORMED)))
             return self._spawn(terms)
         return self._solve(terms)
 
@@ -160,12 +185,14 @@ class ChainSumTeacher:
         lines, total = running_computation(terms)
         return "\n".join([*lines, f"Answer: {total}"]) + self.end
 
-    def _spawn(self, terms: Sequence[int]) -> str:
+    def _spawn(self, terms: Sequence[int], malformed: str | None = None) -> str:
         most = min(self.max_pieces, len(terms))
         count = 2 if most == 2 else self._rng.randint(2, most)  # no draw for halves
         objectives = [f"{self.objective_prefix} {write_chain(piece)}" for piece in pieces(terms, count)]
-        call = {"name": "spawn_clone", "arguments": {"objectives": objectives}}
-        return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
+        call = json.dumps({"name": "spawn_clone", "arguments": {"objectives": objectives}})
+        if malformed is not None:
+            call = MALFORMED[malformed](call)
+        return "<tool_call>\n" + call + "\n</tool_call>"
 
     def _combine(self, response: str) -> str:
         answers = []
@@ -178,3 +205,10 @@ class ChainSumTeacher:
         if not answers:
             raise ValueError("ChainSumTeacher: an empty tool response")
         return self._solve(answers)
+
+
+def _is_notice(response: str) -> bool:
+    """Whether a tool response is the engine's error notice for a rejected call: every line
+    an error (clone results carry at least one answer, or fail the root's sum)."""
+    lines = [line for line in response.strip().splitlines() if line.strip()]
+    return bool(lines) and all(_ERROR_LINE.match(line) for line in lines)

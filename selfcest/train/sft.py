@@ -2,8 +2,10 @@
 
 Every node of every demonstration tree becomes one sequence: its full context, with the
 loss on the tokens the node itself "sampled" (its own turns) and none on the prompt or on
-injected returns and notices. The same code warm-starts a tiny model from scratch or a
-pretrained one on a protocol it has not seen.
+injected returns and notices. A turn the engine rejected with a notice (a malformed spawn
+call in a repair demonstration) gets no loss either: it is context the model learns to
+recover from, not an example to imitate. The same code warm-starts a tiny model from scratch
+or a pretrained one on a protocol it has not seen.
 
 The defaults take many small steps, which is what the tiny models of the CPU reproduction
 need (``docs/cpu_reproduction.md``, "The warm start").
@@ -29,7 +31,7 @@ from selfcest.train.batching import (
     samples_from_trees,
 )
 from selfcest.train.schedule import lr_lambda
-from selfcest.tree import CloneTree
+from selfcest.tree import CloneTree, Node
 
 
 @dataclass
@@ -61,8 +63,9 @@ class SFTConfig:
 
 
 def sft_samples(trees: Sequence[CloneTree], spawner_repeats: int = 1) -> list[TrainingSample]:
-    """One sample per node with sampled tokens, advantage 1 (plain likelihood); a node that
-    spawned clones is listed ``spawner_repeats`` times."""
+    """One sample per node with sampled tokens, advantage 1 (plain likelihood), no loss on
+    the turns the engine rejected (`rejected_positions`); a node that made a spawn call is
+    listed ``spawner_repeats`` times."""
     ones = Advantages(
         per_tree=[{node_id: 1.0 for node_id in tree.nodes} for tree in trees],
         keep=[True] * len(trees),
@@ -70,9 +73,29 @@ def sft_samples(trees: Sequence[CloneTree], spawner_repeats: int = 1) -> list[Tr
     )
     samples = []
     for sample in samples_from_trees(trees, ones):
-        spawned = bool(trees[sample.tree_id].nodes[sample.node_id].spawns)
-        samples += [sample] * (spawner_repeats if spawned else 1)
+        node = trees[sample.tree_id].nodes[sample.node_id]
+        for position in rejected_positions(node):
+            sample.loss_mask[position] = 0
+        if sample.num_trainable:  # a node whose every turn was rejected teaches nothing
+            samples += [sample] * (spawner_repeats if node.spawns else 1)
     return samples
+
+
+def rejected_positions(node: Node) -> list[int]:
+    """Positions in the node's context (prompt first) of the sampled tokens of every turn
+    the engine answered with a notice: the turn's segments since the last injected one."""
+    rejected, turn = [], []
+    position = len(node.prompt_ids)
+    for segment in node.segments:
+        span = range(position, position + len(segment.token_ids))
+        if segment.kind == "notice":
+            rejected += turn
+        if segment.kind in ("notice", "return"):
+            turn = []
+        elif segment.trainable:
+            turn += span
+        position = span.stop
+    return rejected
 
 
 def sft_loss(model, batch: MicroBatch) -> torch.Tensor:

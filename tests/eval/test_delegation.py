@@ -32,14 +32,17 @@ def tasks():
 
 
 class Sloppy:
-    """ChainSumTeacher's turns, spoiled: every other root call loses its closing brace, and
-    clones whose objective starts with an even, non-negative term add one to their answer."""
+    """ChainSumTeacher's turns, spoiled: every other root call loses its closing brace (and
+    the root gives up after the error notice instead of repairing the call), and clones whose
+    objective starts with an even, non-negative term add one to their answer."""
 
     def __init__(self) -> None:
         self.teacher = ChainSumTeacher(delegate=1.0)
         self.calls = 0
 
     def __call__(self, prompt: str) -> str:
+        if "1: error: " in prompt:
+            return "Answer: 0<|im_end|>"
         turn = self.teacher(prompt)
         if turn.startswith("<tool_call>"):
             self.calls += 1

@@ -6,7 +6,7 @@ import pytest
 
 from selfcest.budget import Budget
 from selfcest.policy import ClonePolicy
-from selfcest.protocol import ToolCallProtocol
+from selfcest.protocol import ProtocolError, ToolCallProtocol
 from selfcest.tasks import load_tasks
 from selfcest.tasks.chain_sum_teacher import (
     ChainSumTeacher,
@@ -117,8 +117,10 @@ def test_unreadable_prompts_raise_clear_errors():
                     "2: error: clone failed\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="not an integer"):
         teacher(failed_clone)
-    with pytest.raises(ValueError, match="probability"):
+    with pytest.raises(ValueError, match="delegate must be a probability"):
         ChainSumTeacher(delegate=1.5)
+    with pytest.raises(ValueError, match="repair must be a probability"):
+        ChainSumTeacher(repair=-0.1)
     with pytest.raises(ValueError, match="max_pieces"):
         ChainSumTeacher(max_pieces=1)
 
@@ -144,3 +146,27 @@ def test_a_root_shown_no_tool_solves_directly(tool_policy):
     for tree in trees:
         assert "spawn_clone" not in tool_policy.protocol.decode(tree.root.prompt_ids)
         assert not tree.root.children and tree.root.text().endswith("<|im_end|>")
+
+
+def test_repair_demonstrations_write_a_malformed_call_then_the_right_one(tool_policy):
+    """repair=1.0: every delegating root's first call is one of MALFORMED, the engine
+    answers it with a notice, and the root's second call spawns the right clones; where
+    spawn_rounds allows one call only, the repaired call is refused and the tree dropped."""
+    tasks = chain_sums(30, seed=11, min_terms=3)
+    two_calls = Budget(**{**vars(BUDGET), "spawn_rounds": 2})
+    protocol = tool_policy.protocol
+    trees = teacher_trees(tasks, ChainSumTeacher(delegate=1.0, repair=1.0), protocol, two_calls)
+    assert len(trees) == len(tasks)
+    reasons = set()
+    for tree in trees:
+        root = tree.root
+        assert [s.kind for s in root.segments] == ["sampled", "notice", "sampled", "return", "sampled"]
+        first, repaired = protocol.parse_text(root.segments[0].text), protocol.parse_text(root.segments[2].text)
+        # The notice names the error (cut to return_tokens like any returned text).
+        assert isinstance(first, ProtocolError) and "error: " + first.reason[:10] in root.segments[1].text
+        reasons.add(first.reason.split(" ")[0])
+        assert [r.objective for r in repaired] == [tree.nodes[c].objective for c in root.children]
+        assert [len(s.child_ids) for s in root.spawns] == [0, 2]
+    assert reasons == {"empty", "unknown", "invalid"}  # each form of MALFORMED was drawn
+    assert teacher_trees(tasks, ChainSumTeacher(delegate=1.0, repair=1.0), protocol, BUDGET) == []
+

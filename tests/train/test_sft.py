@@ -100,3 +100,25 @@ def test_direct_tasks_are_demonstrated_as_a_monolithic_root_sees_them():
     shown_tool = ["spawn_clone" in policy.protocol.decode(t.root.prompt_ids) for t in trees]
     delegated = [bool(t.root.children) for t in trees]
     assert shown_tool == delegated == [True] * 6 + [False] * 4
+
+
+def test_a_rejected_call_is_context_and_its_repair_a_target():
+    """In a repair demonstration (ChainSumTeacher(repair=1.0)) the malformed call, which the
+    engine answered with a notice, gets no loss; the repaired call and the final sum do."""
+    pytest.importorskip("reasoning_gym")
+    from selfcest.tasks import load_tasks
+    from selfcest.tasks.chain_sum_teacher import ChainSumTeacher
+
+    policy = ClonePolicy.build_tiny(seed=0, protocol="tool")
+    tasks = load_tasks("gym", dataset="chain_sum", size=2, seed=4, min_terms=3, max_terms=4,
+                       min_digits=1, max_digits=1)
+    budget = Budget(node_generation=160, node_context=1024, tree_generation=512, max_depth=1,
+                    clones_per_spawn=2, clones_per_tree=2, spawn_rounds=2)
+    trees = teacher_trees(tasks, ChainSumTeacher(delegate=1.0, repair=1.0), policy.protocol, budget)
+    root = next(s for s in sft_samples(trees) if s.node_id == "0" and s.tree_id == 0)
+    segments = trees[0].root.segments
+    assert [s.kind for s in segments] == ["sampled", "notice", "sampled", "return", "sampled"]
+    expected = [0] * len(trees[0].root.prompt_ids)
+    for segment, trained in zip(segments, [0, 0, 1, 0, 1]):
+        expected += [trained] * len(segment.token_ids)
+    assert root.loss_mask == expected
