@@ -60,7 +60,6 @@ _CHAIN = re.compile(r"(-?\d+)((?:\s*[+-]\s*-?\d+)*)\s*=?\s*$")
 _STEP = re.compile(r"([+-])\s*(-?\d+)")
 _RETURN_LINE = re.compile(r"^\s*\d+\s*:\s*(.*?)\s*$")
 _INTEGER = re.compile(r"-?\d+")
-_ERROR_LINE = re.compile(r"^\s*\d+\s*:\s*error:")
 
 # The malformed first calls of repair demonstrations, as a function of the correct call's
 # JSON: the ways SmolLM2-135M-Instruct's sampled calls failed to parse (docs/smollm.md).
@@ -174,6 +173,7 @@ class ChainSumTeacher:
         # spawn is shown none, see ToolCallProtocol.root_prompt).
         offered = self.tool_name in prompt[: user.start()]
         if offered and not is_clone and len(terms) >= self.min_delegate_terms and self._rng.random() < self.delegate:
+            # No draw when repair is off, so existing configs keep their demonstrations.
             if self.repair and self._rng.random() < self.repair:
                 return self._spawn(terms, malformed=self._rng.choice(sorted(MALFORMED)))
             return self._spawn(terms)
@@ -210,5 +210,5 @@ class ChainSumTeacher:
 def _is_notice(response: str) -> bool:
     """Whether a tool response is the engine's error notice for a rejected call: every line
     an error (clone results carry at least one answer, or fail the root's sum)."""
-    lines = [line for line in response.strip().splitlines() if line.strip()]
-    return bool(lines) and all(_ERROR_LINE.match(line) for line in lines)
+    values = [_RETURN_LINE.match(line) for line in response.strip().splitlines() if line.strip()]
+    return bool(values) and all(value and value.group(1).startswith("error:") for value in values)
