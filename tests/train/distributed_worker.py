@@ -69,6 +69,8 @@ def config(resume: bool = False, lora: bool = "lora" in mode) -> TrainConfig:
     config.trainer.resume = resume
     config.log.progress = False
     config.rollout.engine_per_node = mode.startswith("node")
+    if mode == "node":
+        config.trainer.save_every = 1  # the test compares the weights after the first step
     if mode == "node_vllm":
         config.model.name = "small"  # vLLM's CPU attention needs heads of 32
         config.rollout.backend = "vllm"
@@ -91,6 +93,19 @@ def full(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def record_trees(trainer) -> list[list[list[int]]]:
+    """Each step's trees on this process, as every node's token ids, in the order trained."""
+    steps = []
+    train_on_trees = trainer.train_on_trees
+
+    def recording(trees):
+        steps.append([[node.context_ids() for node in tree.nodes.values()] for tree in trees])
+        return train_on_trees(trees)
+
+    trainer.train_on_trees = recording
+    return steps
+
+
 def main() -> None:
     torch.set_num_threads(1)
     if mode.startswith("fsdp"):
@@ -102,6 +117,7 @@ def main() -> None:
             (out / f"refused{int(os.environ['RANK'])}.txt").write_text(str(error))
         return
     trainer = build_trainer(config(), policy=policy())
+    trees = record_trees(trainer)
     before = full(trainer.policy.model)
     history = trainer.train()
     rank = trainer.accelerator.process_index
@@ -132,6 +148,7 @@ def main() -> None:
         "resumed_step": resumed_step,
         "resumed_equal": resumed_equal,
         "mismatch": mismatch,
+        "trees": trees,
     }))
 
 

@@ -139,10 +139,18 @@ def test_one_engine_per_node_trains_what_one_process_trains(tmp_path):
     assert node[0]["changed"] == node[0]["trainable"]
     assert_same(node[0]["weights"], node[1]["weights"])
     # The leader expanded the node's prompts in the step's order with its seed: the trees
-    # one process samples for the whole step, so the same update up to float error (2e-5
-    # measured: the gradients are summed in another order and Adam divides by their size).
-    # Other trees move weights by ~4e-2 here (a plain DDP run against the single process).
-    assert_same(node[0]["weights"], alone[0]["weights"], atol=1e-4)
+    # one process samples for the whole step, token for token (split between the ranks)...
+    first_step = [tree for rank in node for tree in rank["trees"][0]]
+    assert sorted(first_step) == sorted(alone[0]["trees"][0])
+    # ...so the same first update up to float error (the gradients are summed in another
+    # order and Adam divides by their size). Other trees move weights by ~4e-2 here.
+    assert_same(first_update(tmp_path / "node"), first_update(tmp_path / "alone"), atol=1e-4)
+    # The second step is not compared: its trees are sampled from weights that differ by
+    # float error, which can flip a sampled token (it does on an AVX2 CPU: 1.7e-2 apart).
+
+
+def first_update(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(list_checkpoints(folder / "run")[0] / "model.safetensors")
 
 
 @pytest.mark.distributed
