@@ -21,6 +21,11 @@ the held-out reward and its paired difference to the warm start with a 95% boots
 interval over tasks; per split the seed-averaged gain with its interval and the standard
 deviation of the seeds' mean rewards (how far RL alone moves the result).
 
+A stopped run resumes where it stopped: each finished seed leaves ``seed<k>/result.json`` and
+the warm start's measurement ``warm_start_heldout.json``, both with the config they were
+measured under; the same command (or one with more ``eval.seeds``) reuses every one whose
+config matches, and retrains the rest.
+
 Simplification: the warm start is shared, so the seeds vary the RL run, not the warm start;
 the warm start's held-out reward is sampled once (engine seed ``trainer.seed + 1``).
 """
@@ -28,6 +33,7 @@ the warm start's held-out reward is sampled once (engine seed ``trainer.seed + 1
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
 import time
@@ -75,13 +81,24 @@ def run(base: TrainConfig, log=say) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seeds = [base.trainer.seed + k for k in range(settings.seeds)]
     splits = evaluation_splits(base, settings)
-    sft = ClonePolicy.from_pretrained(warm_started)
-    start = {name: held_out(base, sft, tasks, settings).reward for name, tasks in splits.items()}
-    del sft  # each seed loads its own copy of the warm start
+    measured_under = fingerprint(base)
+    start_file = out / "warm_start_heldout.json"
+    start = reuse(start_file, measured_under, log)
+    if start is None:
+        sft = ClonePolicy.from_pretrained(warm_started)
+        start = {name: held_out(base, sft, tasks, settings).reward for name, tasks in splits.items()}
+        del sft  # each seed loads its own copy of the warm start
+        keep(start_file, measured_under, start)
     rows, per_task = [], {name: [] for name in splits}
     for seed in seeds:  # results.json is rewritten after each seed: a stopped run keeps what it measured
-        row, rewards = train_seed(base, warm_started, splits, seed, out / f"seed{seed}")
-        row["gain"] = {name: paired(rewards[name], start[name], settings.bootstrap_samples) for name in splits}
+        seed_file = out / f"seed{seed}" / "result.json"
+        finished = reuse(seed_file, measured_under, log)
+        if finished is None:
+            row, rewards = train_seed(base, warm_started, splits, seed, out / f"seed{seed}")
+            row["gain"] = {name: paired(rewards[name], start[name], settings.bootstrap_samples) for name in splits}
+            keep(seed_file, measured_under, {"row": row, "rewards": rewards})
+        else:
+            row, rewards = finished["row"], finished["rewards"]
         log(json.dumps(row))
         rows.append(row)
         for name in splits:
@@ -91,6 +108,33 @@ def run(base: TrainConfig, log=say) -> dict:
         (out / "report.md").write_text(report(results))
     log(f"report: {out / 'report.md'}")
     return results
+
+
+def fingerprint(base: TrainConfig) -> dict:
+    """What a measurement depends on besides its RL seed: the whole config except the output
+    folder, the number of seeds and logging."""
+    config = json.loads(json.dumps(dataclasses.asdict(base), default=str))
+    del config["trainer"]["output_dir"], config["eval"]["seeds"], config["log"]
+    return config
+
+
+def keep(path: Path, measured_under: dict, measured: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")  # renamed when whole: a stop mid-write leaves no half file
+    partial.write_text(json.dumps({"config": measured_under, "measured": measured}))
+    partial.replace(path)
+
+
+def reuse(path: Path, measured_under: dict, log) -> dict | None:
+    """What ``path`` kept, if it was measured under the same config; None otherwise."""
+    if not path.exists():
+        return None
+    kept = json.loads(path.read_text())
+    if kept["config"] != measured_under:
+        log(f"{path} was measured under another config: measuring again")
+        return None
+    log(f"reusing {path}")
+    return kept["measured"]
 
 
 def summarise(base: TrainConfig, seeds: list[int], rows: list[dict], per_task: dict[str, list[list[float]]],

@@ -44,3 +44,26 @@ def test_without_learning_the_first_seed_measures_exactly_the_warm_start(tiny_cp
 def test_a_missing_warm_start_is_a_config_error(tiny_cpu_repro, tmp_path):
     with pytest.raises(ConfigError, match="warm_start.policy is required"):
         quietly(tiny_cpu_repro(tmp_path, "warm_start.policy=null"))
+
+
+def test_a_stopped_run_resumes_with_the_seeds_it_finished(tiny_cpu_repro, tmp_path):
+    first = quietly(tiny_cpu_repro(tmp_path, "eval.seeds=1"))
+    policy = tmp_path / "seed0/policy/model.safetensors"
+    trained_at = policy.stat().st_mtime_ns
+    messages = []
+    resumed = run(tiny_cpu_repro(tmp_path, "eval.seeds=2"), log=messages.append)
+    assert policy.stat().st_mtime_ns == trained_at  # seed 0 was not trained again...
+    assert f"reusing {tmp_path / 'seed0/result.json'}" in messages
+    assert resumed["runs"][0] == first["runs"][0]  # ...its measurement was kept
+    assert resumed["summary"]["in-distribution"]["start"] == first["summary"]["in-distribution"]["start"]
+    assert (tmp_path / "seed1/policy").exists()  # and the new seed was trained
+
+
+def test_a_finished_seed_of_another_config_is_trained_again(tiny_cpu_repro, tmp_path):
+    quietly(tiny_cpu_repro(tmp_path, "eval.seeds=1"))
+    policy = tmp_path / "seed0/policy/model.safetensors"
+    trained_at = policy.stat().st_mtime_ns
+    messages = []
+    run(tiny_cpu_repro(tmp_path, "eval.seeds=1", "trainer.lr=0"), log=messages.append)
+    assert policy.stat().st_mtime_ns != trained_at
+    assert any("measured under another config" in m for m in messages)
