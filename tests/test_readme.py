@@ -11,6 +11,7 @@ marked ``paper``, with the other README runs.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -98,9 +99,10 @@ def test_quickstart_make_targets_run_what_the_readme_says():
     assert QUICKSTART == ["make run", "make test"]
     assert make_dry_run("run") == ".venv/bin/python -m selfcest.experiments.cpu_repro"
     assert cpu_repro.DEFAULT_EXPERIMENT == "cpu_repro"
-    driver = (REPO / "tests/experiments/test_cpu_repro.py").read_text()
-    imported = re.search(r"^from selfcest\.experiments\.cpu_repro import (.+)$", driver, re.MULTILINE)
-    assert imported and {"compose", "run"} <= set(imported.group(1).replace(" ", "").split(","))
+    driver = ast.parse((REPO / "tests/experiments/test_cpu_repro.py").read_text())
+    imported = {alias.name for node in driver.body if isinstance(node, ast.ImportFrom)
+                and node.module == "selfcest.experiments.cpu_repro" for alias in node.names}
+    assert {"compose", "run"} <= imported
     assert make_dry_run("test") == ".venv/bin/python -m pytest -q"
 
 

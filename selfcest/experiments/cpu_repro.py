@@ -8,6 +8,7 @@ accuracy-cost Pareto frontier over monolithic baselines at matched inference bud
     python -m selfcest.experiments.cpu_repro experiment=cpu_repro_quick   # the test-sized variant
     python -m selfcest.experiments.cpu_repro trainer.steps=40 rollout.budget.node_context=320
     python -m selfcest.experiments.cpu_repro warm_start.policy=runs/cpu_repro/sft   # reuse a warm start
+    python -m selfcest.experiments.cpu_repro trainer.resume=true   # resume a stopped run
 
 A Hydra app like ``selfcest-train`` (``--help`` lists every key): the experiment is
 ``configs/experiment/cpu_repro.yaml`` unless ``experiment=`` names another, its ``eval``
@@ -28,6 +29,11 @@ outputs under ``runs/<name>/``:
 5. ``report.md``: tables with confidence intervals, Pareto plots, training curves, the
    frontier verdicts and example trees (text, and ``trace.html``).
 
+With ``trainer.resume=true`` the warm start saved in ``runs/<name>/sft`` is reused and each
+arm continues from its latest checkpoint (a finished arm trains no more), so a stopped run
+resumes, and a finished one can be measured again on other ``eval`` settings without
+training; the warm-start check, the held-out reward and the evaluation always run.
+
 Simplification: every node of both arms has the same per-node budgets (generation and
 context); the total per-tree budget is what the evaluation matches.
 """
@@ -40,7 +46,7 @@ import shutil
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -48,7 +54,7 @@ import torch
 from selfcest.budget import Budget
 from selfcest.cli import register_schemas
 from selfcest.configure import compose as compose_config
-from selfcest.configure import hydra_app
+from selfcest.configure import ConfigError, hydra_app
 from selfcest.eval.delegation import delegation_stats
 from selfcest.eval.evaluate import Method, evaluate
 from selfcest.eval.stats import bootstrap_mean
@@ -58,6 +64,7 @@ from selfcest.rewards.base import score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.task import Task
 from selfcest.tasks import TASKS, TEACHERS
+from selfcest.train.checkpoint import resolve_resume
 from selfcest.train.config import (
     EvaluationConfig,
     TrainConfig,
@@ -65,6 +72,7 @@ from selfcest.train.config import (
     load_split,
     validate,
 )
+from selfcest.train.logging import read_metrics
 from selfcest.train.setup import (
     build_policy,
     build_reward,
@@ -126,12 +134,24 @@ def monolithic_twin(config: TrainConfig) -> TrainConfig:
     return twin
 
 
-def train_arm(config: TrainConfig, start: Path, output: Path, view=None) -> tuple[ClonePolicy, list[dict]]:
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def train_arm(config: TrainConfig, start: Path, output: Path, view=None, log=say) -> tuple[ClonePolicy, list[dict]]:
     """GRPO from the warm-start policy saved at ``start``, on the config's tasks seen through
-    ``view`` (None: as they are); the trained policy is saved."""
+    ``view`` (None: as they are); the trained policy is saved, and every step's metrics
+    (``output/metrics.jsonl``) returned.
+
+    With ``trainer.resume=true`` an arm continues from its latest checkpoint in ``output``: a
+    stopped arm trains the steps it had left, a finished one none (what differs from the
+    config it was trained under is logged)."""
     config = copy.deepcopy(config)
     config.warm_start.policy = str(start)  # the shared warm start already happened
     config.trainer.output_dir = str(output)
+    checkpoint = resolve_resume(config.trainer.resume, output)
+    if checkpoint is not None:
+        log(f"resuming {output} from {checkpoint.name}{config_changes(output / 'config.json', config)}")
     tasks = {}
     if view is not None:
         tasks["train_tasks"] = [view(task) for task in load_split(config.task, "train")]
@@ -139,15 +159,36 @@ def train_arm(config: TrainConfig, start: Path, output: Path, view=None) -> tupl
             tasks["eval_tasks"] = [view(task) for task in load_split(config.task, "eval")]
     trainer = build_trainer(config, **tasks)
     try:
-        history = trainer.train()
+        ran = trainer.train()
     finally:
         trainer.close()
-    trainer.policy.save_pretrained(output / "policy")
-    return trainer.policy, history
+    if ran or not (output / "policy").exists():
+        trainer.policy.save_pretrained(output / "policy")
+    return trainer.policy, read_metrics(output / "metrics.jsonl")
 
 
-def say(message: str) -> None:
-    print(message, flush=True)
+def config_changes(saved: Path, config: TrainConfig) -> str:
+    """``"; its config differed in a.b, c.d"``: the keys of ``config`` whose values differ from
+    the run config saved at ``saved`` (not the output folder, resumption, logging or the
+    evaluation, which do not change what is trained); empty when none do."""
+    if not saved.exists():
+        return ""
+    before, now = flat(json.loads(saved.read_text())), flat(json.loads(json.dumps(asdict(config), default=str)))
+    ignored = ("trainer.output_dir", "trainer.resume", "log.", "eval.")
+    changed = sorted(key for key in before.keys() | now.keys()
+                     if before.get(key) != now.get(key) and not key.startswith(ignored))
+    return f"; its config differed in {', '.join(changed)}" if changed else ""
+
+
+def flat(data: dict, prefix: str = "") -> dict:
+    """A nested dict as ``{"a.b": value}``."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 @contextmanager
@@ -160,10 +201,13 @@ def timed(timings: dict[str, float], phase: str, log=say):
 
 
 def warm_start_folder(config: TrainConfig, folder: Path, log=say) -> Path:
-    """The warm-start policy saved in ``folder``: trained by SFT from a fresh model, or copied
-    from ``warm_start.policy`` when that names an earlier one (with its ``sft.jsonl``)."""
+    """The warm-start policy saved in ``folder``: trained by SFT from a fresh model, copied
+    from ``warm_start.policy`` when that names an earlier one (with its ``sft.jsonl``), or,
+    under ``trainer.resume=true``, the one an earlier run finished in ``folder``."""
     warm_started = config.warm_start.policy
-    if warm_started is None:
+    if warm_started is None and resuming(config) and (folder / "sft.jsonl").exists():  # written last
+        log(f"reusing the warm start in {folder}")
+    elif warm_started is None:
         policy = build_policy(config)
         steps = config.warm_start.sft.steps
 
@@ -195,6 +239,7 @@ def run(config: TrainConfig, log=say) -> dict:
 
     twin = monolithic_twin(config)
     validate(twin)  # a twin that cannot run fails here, before any compute
+    check_resume(config)
     start = time.perf_counter()
     with timed(timings, "warm start (SFT)", log):
         warm_start_folder(config, out / "sft", log)
@@ -224,6 +269,19 @@ def run(config: TrainConfig, log=say) -> dict:
                                 mono_history, timings, checked)
     log(f"report: {report}")
     return {"timings": timings, "report": str(report), "results": results, "heldout": heldout}
+
+
+def resuming(config: TrainConfig) -> bool:
+    """Whether ``trainer.resume`` asks each run to continue from its latest checkpoint."""
+    return str(config.trainer.resume).lower() in ("true", "latest")
+
+
+def check_resume(config: TrainConfig) -> None:
+    """Several runs share one ``trainer.resume``: each resumes from its own latest checkpoint
+    (true) or none (false); one checkpoint path cannot serve them all."""
+    if not resuming(config) and str(config.trainer.resume).lower() not in ("false", ""):
+        raise ConfigError(f"trainer.resume={config.trainer.resume!r}: each run of this experiment resumes "
+                          "from its own latest checkpoint; use trainer.resume=true")
 
 
 def training_engine(config: TrainConfig, policy: ClonePolicy, seed: int):

@@ -42,7 +42,7 @@ from pathlib import Path
 from selfcest.cli import register_schemas
 from selfcest.configure import ConfigError, hydra_app
 from selfcest.eval.stats import bootstrap_mean
-from selfcest.experiments.cpu_repro import evaluation_splits, held_out, say, train_arm
+from selfcest.experiments.cpu_repro import check_resume, evaluation_splits, held_out, say, train_arm
 from selfcest.policy import ClonePolicy
 from selfcest.task import Task
 from selfcest.train.config import TrainConfig
@@ -76,6 +76,7 @@ def run(base: TrainConfig, log=say) -> dict:
     if base.warm_start.policy is None:
         raise ConfigError("warm_start.policy is required: the warm start every seed starts from "
                           "(selfcest-sft writes one to <trainer.output_dir>/sft)")
+    check_resume(base)
     settings, warm_started = base.eval, Path(base.warm_start.policy)
     out = Path(base.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -238,7 +238,8 @@ class GRPOTrainer:
                 if trainer.save_every and self.state.step % trainer.save_every == 0:
                     self.save()
             saved = trainer.save_every and self.state.step % trainer.save_every == 0
-            if trainer.save_final and not saved:
+            # A run resumed at its last step ran nothing: its checkpoint is already there.
+            if trainer.save_final and not saved and history:
                 self.save()
         finally:
             if progress is not None:

@@ -1,4 +1,6 @@
-"""The main job's CI-sized variant, end to end: RL with clones must beat its SFT start."""
+"""The main job's CI-sized variant, end to end: RL with clones must beat its SFT start; and
+how a stopped run resumes (trainer.resume=true): the warm start it finished, each arm from its
+own latest checkpoint."""
 
 from __future__ import annotations
 
@@ -6,7 +8,15 @@ import json
 
 import pytest
 
-from selfcest.experiments.cpu_repro import compose, monolithic_twin, run
+from selfcest.configure import ConfigError
+from selfcest.experiments.cpu_repro import (
+    check_resume,
+    compose,
+    monolithic_twin,
+    run,
+    train_arm,
+    warm_start_folder,
+)
 from selfcest.train.config import validate
 
 # The clone arm's held-out reward gain in the quick variant, measured on this 2-core machine
@@ -48,3 +58,53 @@ def test_the_monolithic_twin_of_a_clone_credit_config_runs_with_broadcast_credit
     validate(twin)
     assert (twin.rollout.budget.max_depth, twin.algo.credit.strategy) == (0, "broadcast")
     assert config.algo.credit.strategy == strategy  # the clone arm keeps its own
+
+
+def test_a_finished_arm_resumed_trains_nothing_and_keeps_its_history(tiny_cpu_repro, tmp_path):
+    config = tiny_cpu_repro(tmp_path)
+    start = config.warm_start.policy
+    _, history = train_arm(config, start, tmp_path / "arm", log=lambda message: None)
+    written = {path: path.stat().st_mtime_ns for path in (tmp_path / "arm").rglob("*.safetensors")}
+
+    messages = []
+    resumed = tiny_cpu_repro(tmp_path, "trainer.resume=true", "eval.tasks_per_split=8")
+    _, again = train_arm(resumed, start, tmp_path / "arm", log=messages.append)
+    assert messages == [f"resuming {tmp_path / 'arm'} from step_000002"]  # eval.* changes nothing trained
+    assert {path: path.stat().st_mtime_ns for path in written} == written  # no step, no save
+    assert [row["reward/mean"] for row in again] == [row["reward/mean"] for row in history]
+
+
+def test_a_stopped_arm_trains_the_steps_it_had_left(tiny_cpu_repro, tmp_path):
+    straight = train_arm(tiny_cpu_repro(tmp_path / "straight"), tiny_cpu_repro(tmp_path).warm_start.policy,
+                         tmp_path / "straight", log=lambda message: None)[1]
+    one_step = tiny_cpu_repro(tmp_path, "trainer.steps=1")
+    train_arm(one_step, one_step.warm_start.policy, tmp_path / "arm", log=lambda message: None)
+
+    messages = []
+    resumed = tiny_cpu_repro(tmp_path, "trainer.resume=true")
+    _, history = train_arm(resumed, resumed.warm_start.policy, tmp_path / "arm", log=messages.append)
+    assert messages == [f"resuming {tmp_path / 'arm'} from step_000001; its config differed in trainer.steps"]
+    assert [row["step"] for row in history] == [1, 2]
+    # The run resumed after step 1 samples and scores what the straight run did at step 2.
+    assert json.dumps(history[1]["reward/mean"]) == json.dumps(straight[1]["reward/mean"])
+
+
+def test_a_checkpoint_path_cannot_resume_every_run_of_an_experiment(tiny_cpu_repro, tmp_path):
+    with pytest.raises(ConfigError, match="trainer.resume='runs/x/checkpoints/step_000002'.*use trainer.resume=true"):
+        check_resume(tiny_cpu_repro(tmp_path, "trainer.resume=runs/x/checkpoints/step_000002"))
+
+
+def test_a_finished_warm_start_is_reused_when_resuming_and_trained_again_otherwise(tiny_cpu_repro, tmp_path):
+    fresh = tiny_cpu_repro(tmp_path, "warm_start.policy=null")
+    warm_start_folder(fresh, tmp_path / "sft", log=lambda message: None)
+    weights = tmp_path / "sft/model.safetensors"
+    trained_at = weights.stat().st_mtime_ns
+
+    messages = []
+    warm_start_folder(tiny_cpu_repro(tmp_path, "warm_start.policy=null", "trainer.resume=true"),
+                      tmp_path / "sft", log=messages.append)
+    assert messages == [f"reusing the warm start in {tmp_path / 'sft'}"]
+    assert weights.stat().st_mtime_ns == trained_at
+
+    warm_start_folder(fresh, tmp_path / "sft", log=lambda message: None)
+    assert weights.stat().st_mtime_ns != trained_at
