@@ -64,7 +64,7 @@ from selfcest.rewards.base import score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.task import Task
 from selfcest.tasks import TASKS, TEACHERS
-from selfcest.train.checkpoint import resolve_resume
+from selfcest.train.checkpoint import RESUME_LATEST, RESUME_OFF, resolve_resume
 from selfcest.train.config import (
     EvaluationConfig,
     TrainConfig,
@@ -273,13 +273,13 @@ def run(config: TrainConfig, log=say) -> dict:
 
 def resuming(config: TrainConfig) -> bool:
     """Whether ``trainer.resume`` asks each run to continue from its latest checkpoint."""
-    return str(config.trainer.resume).lower() in ("true", "latest")
+    return config.trainer.resume in RESUME_LATEST
 
 
 def check_resume(config: TrainConfig) -> None:
     """Several runs share one ``trainer.resume``: each resumes from its own latest checkpoint
     (true) or none (false); one checkpoint path cannot serve them all."""
-    if not resuming(config) and str(config.trainer.resume).lower() not in ("false", ""):
+    if config.trainer.resume not in (*RESUME_OFF, *RESUME_LATEST):
         raise ConfigError(f"trainer.resume={config.trainer.resume!r}: each run of this experiment resumes "
                           "from its own latest checkpoint; use trainer.resume=true")
 

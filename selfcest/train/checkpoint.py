@@ -112,12 +112,16 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return sorted(p for p in folder.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
 
 
+RESUME_OFF = (False, None, "", "false", "False")  # values of trainer.resume that start fresh
+RESUME_LATEST = (True, "true", "True", "latest")  # ... that continue the latest checkpoint
+
+
 def resolve_resume(resume, output_dir: str | Path) -> Path | None:
     """``false`` → None; ``true`` → the latest checkpoint of output_dir (None if there is none
     yet, so a restarted job starts fresh); a path → that checkpoint (it must exist)."""
-    if resume in (False, None, "", "false", "False"):
+    if resume in RESUME_OFF:
         return None
-    if resume in (True, "true", "True", "latest"):
+    if resume in RESUME_LATEST:
         found = list_checkpoints(output_dir)
         return found[-1] if found else None
     path = Path(str(resume))
