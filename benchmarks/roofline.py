@@ -3,9 +3,11 @@
 For each model of that benchmark, with one torch thread:
 
 1. **Decode**: `HFBackend` samples 32 rows × 64 new tokens (the benchmark's step) from
-   prompts of the workload's length.
+   one prompt of the workload's length, which it prefills once for all 32 rows.
 2. **Update**: one forward and backward of the policy loss over the same 32 rows, logits
-   from the first sampled position on, as the trainer computes them.
+   from the first sampled position on, as the trainer computes them, every row run whole
+   (the trainer runs a group's shared prompt once, `trainer.share_prompt_forward`; this
+   counts the work of the rows, not what sharing saves).
 
 Each is timed (median of ``--repeats``) and its floating-point operations counted by
 `torch.utils.flop_counter` (matmuls and attention). Its **ceiling** is one matmul of the
@@ -109,9 +111,10 @@ def measure(name: str, repeats: int) -> list[dict]:
     model = random_qwen2(name, len(tokenizer))
     hidden, intermediate = MODELS[name][0], MODELS[name][4]
     rows = []
-    # Positions each phase feeds through the model: a decode prefills the prompt and feeds
-    # every sampled token but the last; an update feeds prompt and completion at once.
-    fed = {"decode": ROWS * (len(prompt_ids) + MAX_NEW_TOKENS - 1),
+    # Positions each phase feeds through the model: a decode prefills the prompt once (its
+    # 32 rows repeat it) and feeds every row's sampled tokens but the last; an update feeds
+    # prompt and completion of every row at once.
+    fed = {"decode": len(prompt_ids) + ROWS * (MAX_NEW_TOKENS - 1),
            "update": ROWS * (len(prompt_ids) + MAX_NEW_TOKENS)}
     for phase, work, matmul_rows in (
         ("decode", decode_work(model, prompt_ids), ROWS),

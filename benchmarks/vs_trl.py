@@ -12,6 +12,7 @@ beta 0 or 0.04 (k3 KL to the initial weights). Models: ``small`` (1.25M paramete
 byte-level BPE tokenizer (492 tokens: its small corpus has no more merges for 2048).
 
     python benchmarks/vs_trl.py [--model small large] [--beta 0 0.04] [--steps 8] [--pairs 3]
+                                [--selfcest-set KEY=VALUE ...]
 
 Needs TRL's own environment (``bash scripts/setup_trl_env.sh``: .venv-trl). Each run is a
 process of its own, selfcest (this Python) and TRL (.venv-trl, which cannot import
@@ -20,7 +21,9 @@ load on the machine (more than ``--max-other-load`` cores on average, from /proc
 discarded and run again. Prints, per model and beta: the seconds per step of each library
 (the median over runs of each run's median step, the first step left out as warm-up), the
 ratio selfcest / TRL, the mean reward of the first and last step, then each library's
-phase split. Every run's steps go to ``<workdir>/results.json``.
+phase split. Every run's steps go to ``<workdir>/results.json``. ``--selfcest-set`` adds
+Hydra overrides to selfcest's runs (``trainer.share_prompt_forward=false``: selfcest as it
+was before it shared prompts), to compare a setting against the same TRL baseline.
 
 Reports ratios, not absolute speeds: this machine is shared and noisy.
 """
@@ -39,6 +42,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,8 +165,10 @@ def selfcest_phases(metrics: dict[str, float]) -> dict[str, float]:
     return step
 
 
-def run_selfcest(folder: Path, model: str, beta: float, steps: int, out: Path) -> list[dict[str, float]]:
-    """Build selfcest's trainer as the CLI does and run ``steps`` steps; each step's phases."""
+def run_selfcest(folder: Path, model: str, beta: float, steps: int, out: Path,
+                 extra: Sequence[str] = ()) -> list[dict[str, float]]:
+    """Build selfcest's trainer as the CLI does (``extra``: overrides added last) and run
+    ``steps`` steps; each step's phases."""
     from selfcest.cli import register_schemas
     from selfcest.configure import compose
     from selfcest.rewards.base import RewardResult, final_turn_text
@@ -174,7 +180,7 @@ def run_selfcest(folder: Path, model: str, beta: float, steps: int, out: Path) -
         return RewardResult(score=reward(text, task.answer), correct=contains_sum(text, task.answer))
 
     register_schemas()
-    config = compose("train", selfcest_overrides(folder, model, beta, steps, out), TrainConfig)
+    config = compose("train", selfcest_overrides(folder, model, beta, steps, out) + list(extra), TrainConfig)
     trainer = build_trainer(config, reward_fn=reward_fn)
     try:
         return [selfcest_phases(trainer.step()) for _ in range(steps)]
@@ -335,7 +341,7 @@ def wait_for_quiet(max_load: float, patience: float = 60.0) -> None:
 
 
 def run_worker(library: str, folder: Path, model: str, beta: float, steps: int, threads: int,
-               log: Path) -> tuple[list[dict[str, float]], float]:
+               log: Path, selfcest_set: Sequence[str] = ()) -> tuple[list[dict[str, float]], float]:
     """One run in a process of its own; its steps, and the cores other processes used
     meanwhile (the machine's busy CPU time less this run's, over its wall time)."""
     python = sys.executable if library == "selfcest" else str(REPO / ".venv-trl/bin/python")
@@ -346,6 +352,8 @@ def run_worker(library: str, folder: Path, model: str, beta: float, steps: int, 
         env.pop("PYTHONPATH", None)
     command = [python, __file__, "--worker", library, "--folder", str(folder), "--model", model,
                "--beta", str(beta), "--steps", str(steps), "--threads", str(threads), "--out", str(result)]
+    if library == "selfcest" and selfcest_set:
+        command += ["--selfcest-set", *selfcest_set]
     busy, own, start = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
     with open(log, "w") as output:
         done = subprocess.run(command, env=env, stdout=output, stderr=subprocess.STDOUT, check=False)
@@ -399,7 +407,7 @@ def kept_run(library: str, folder: Path, model: str, beta: float, pair: int,
         wait_for_quiet(args.max_other_load)
         log = folder / "runs" / f"{library}-{model}-beta{beta}-{pair}-{attempt}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        steps, other = run_worker(library, folder, model, beta, args.steps, args.threads, log)
+        steps, other = run_worker(library, folder, model, beta, args.steps, args.threads, log, args.selfcest_set)
         if other <= args.max_other_load:
             return steps, attempt
         print(f"discarded {log.stem}: other processes used {other:.2f} cores meanwhile", flush=True)
@@ -441,6 +449,8 @@ def main() -> None:
                         help="cores other processes may use during a run before it is discarded")
     parser.add_argument("--retries", type=int, default=3, help="re-runs of a discarded run")
     parser.add_argument("--workdir", default="/tmp/selfcest-vs-trl")
+    parser.add_argument("--selfcest-set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="Hydra overrides added to selfcest's runs")
     parser.add_argument("--worker", choices=["selfcest", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -457,9 +467,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    run = run_selfcest if args.worker == "selfcest" else run_trl
     out = Path(args.out)
-    steps = run(Path(args.folder), args.model[0], args.beta[0], args.steps, out.with_suffix(""))
+    if args.worker == "selfcest":
+        steps = run_selfcest(Path(args.folder), args.model[0], args.beta[0], args.steps, out.with_suffix(""),
+                             args.selfcest_set)
+    else:
+        steps = run_trl(Path(args.folder), args.model[0], args.beta[0], args.steps, out.with_suffix(""))
     out.write_text(json.dumps(steps))
 
 

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DynamicCache,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -30,7 +31,7 @@ from selfcest.budget import Budget
 from selfcest.configure import setting
 from selfcest.protocol import PlainProtocol, Protocol, TokenProtocol, ToolCallProtocol
 from selfcest.rollout.backends.base import Backend, SamplingParams
-from selfcest.rollout.backends.hf import HFBackend, forward_parameters
+from selfcest.rollout.backends.hf import HFBackend, cache_argument, forward_parameters, plain_attention_cache
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
 from selfcest.tree import CloneTree
@@ -279,7 +280,7 @@ class ClonePolicy:
 
 def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                      temperature: float = 1.0, position_ids: torch.Tensor | None = None,
-                     from_position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     from_position: int = 0, share_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Input-aligned logprobs ``[batch, T]`` of ``input_ids`` under ``model``'s logits /
     temperature (`selfcest.algo.losses.token_logprobs`: position 0 holds 0), and those tempered
     logits. The one forward pass every logprob of selfcest comes from: training, warm start,
@@ -295,11 +296,20 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     output layer then skips the positions before it (transformers' ``logits_to_keep``, where
     the model takes it): on prompt tokens, a large share of a big vocabulary's compute. The
     logits returned are those of positions ``from_position - 1`` on (all when it is <= 1).
+
+    ``share_prefix``: where several rows begin with the same ``from_position - 1`` tokens (a
+    GRPO group's copies of one prompt), those columns run once per distinct prefix
+    (`shared_prefix_logits`). Same logprobs and gradients up to float rounding; used only
+    where `can_share_prefix` allows it, one pass as above otherwise.
     """
     if attention_mask is not None:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     elif position_ids is None:
         raise ValueError("forward_logprobs needs an attention mask or, for packed rows, position ids")
+    shared = from_position - 1
+    if share_prefix and can_share_prefix(model, input_ids, attention_mask, shared):
+        logits = shared_prefix_logits(model, input_ids, attention_mask, position_ids, shared) / temperature
+        return left_pad(token_logprobs(logits, input_ids[:, shared:]), shared), logits
     skipped = max(from_position - 1, 0) if takes_logits_to_keep(model) else 0
     # No KV cache: nothing is decoded after this pass, and transformers only separates
     # packed samples when no cache is passed.
@@ -308,6 +318,50 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                    use_cache=False, **keep).logits
     logits = logits / temperature
     return left_pad(token_logprobs(logits, input_ids[:, skipped:]), skipped), logits
+
+
+def can_share_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, columns: int) -> bool:
+    """Whether `shared_prefix_logits` may run the first ``columns`` columns once per distinct
+    prefix: unpacked rows all real there, fewer distinct prefixes than rows, and a model that
+    keeps a plain KV cache in this pass (gradient checkpointing drops the cache while it
+    records gradients, so the second pass would not see the prefix at all)."""
+    if attention_mask is None or columns < 1 or not bool(attention_mask[:, :columns].all()):
+        return False
+    inner = getattr(model, "module", model)
+    # The flag transformers' checkpointed layers read before they drop the cache.
+    if torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) and m.training
+                                       for m in inner.modules()):
+        return False
+    if not plain_attention_cache(inner):
+        return False
+    return len(torch.unique(input_ids[:, :columns], dim=0)) < len(input_ids)
+
+
+def shared_prefix_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         position_ids: torch.Tensor, columns: int) -> torch.Tensor:
+    """The logits of columns ``columns`` on (``[rows, T - columns, vocab]``), with the first
+    ``columns`` columns run once per distinct prefix.
+
+    A first pass over the distinct prefixes fills a KV cache; each row gets its prefix's keys
+    and values (an index, through which gradients flow back and add up); a second pass feeds
+    the rest of every row against them. Check `can_share_prefix` first.
+    """
+    prefixes, row_prefix = torch.unique(input_ids[:, :columns], dim=0, return_inverse=True)
+    # The first pass goes around a DDP wrapper: DDP's forward starts with a collective (buffer
+    # broadcast), and processes whose micro-batches share no prompt make one pass, not two.
+    # DDP's gradient hooks sit on the parameters, so this pass's gradients are all-reduced too.
+    inner = getattr(model, "module", model)
+    cache = DynamicCache(config=inner.config)
+    keep = {"logits_to_keep": 1} if takes_logits_to_keep(inner) else {}  # the prefix's logits are not wanted
+    # Every row is real over the prefix, so every row's positions there are 0, 1, ...
+    inner(input_ids=prefixes, position_ids=position_ids[: len(prefixes), :columns], use_cache=True,
+          **keep, **{cache_argument(inner): cache})
+    per_row = [(layer.keys.index_select(0, row_prefix), layer.values.index_select(0, row_prefix))
+               for layer in cache.layers]
+    cache = DynamicCache(ddp_cache_data=per_row, config=inner.config)
+    return model(input_ids=input_ids[:, columns:], attention_mask=attention_mask,
+                 position_ids=position_ids[:, columns:], use_cache=True,
+                 **{cache_argument(model): cache}).logits
 
 
 def left_pad(values: torch.Tensor, positions: int) -> torch.Tensor:

@@ -189,3 +189,73 @@ def test_smollm2_loads_through_the_same_api():
     tree = policy.solve("What is the capital of France?", sampling=GREEDY,
                         budget=Budget(node_generation=24, tree_generation=48, max_depth=1))
     assert "paris" in tree.root.text().lower()
+
+
+def grouped_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nine right-padded rows: three prompts (7, 9 and 7 tokens) three times each, every copy
+    followed by a completion of its own length, rows in mixed order."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (7, 9, 7)]
+    rows = [prompts[i % 3] + torch.randint(3, vocab, (4 + i,), generator=generator).tolist() for i in range(9)]
+    ids = torch.zeros((len(rows), max(map(len, rows))), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)], mask[r, : len(row)] = torch.tensor(row), 1
+    return ids, mask
+
+
+def logprobs_and_gradients(model, ids, mask, **kwargs):
+    logp, logits = forward_logprobs(model, ids, mask, from_position=7, **kwargs)
+    (logp * mask).sum().backward()
+    gradients = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return logp.detach(), logits.detach(), gradients
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_shared_prompt_runs_once_and_trains_as_one_pass(tiny_policy, family):
+    """share_prefix: each distinct prompt runs once (the first pass sees 3 rows, not 9), and
+    every row's logprobs, logits and every parameter's gradient are those of one plain pass."""
+    model = copy.deepcopy(tiny_policy.model) if family == "qwen2" else tiny_llama()
+    model.train()
+    ids, mask = grouped_rows(100)
+    rows_seen = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: rows_seen.append(len(kwargs["input_ids"])),
+                                           with_kwargs=True)
+    plain_logp, plain_logits, plain_grads = logprobs_and_gradients(model, ids, mask)
+    logp, logits, grads = logprobs_and_gradients(model, ids, mask, share_prefix=True)
+    hook.remove()
+    assert rows_seen == [9, 3, 9]
+    assert torch.allclose(logp, plain_logp, atol=1e-5) and (logp[:, :7] == 0).all()
+    assert logits.shape == plain_logits.shape
+    assert torch.allclose(logits, plain_logits, atol=1e-5)
+    for name, grad in plain_grads.items():
+        assert grad.abs().max() > 0, name
+        assert torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max()), name
+
+
+def test_a_shared_prompt_is_not_shared_where_the_cache_would_be_lost(tiny_policy):
+    """Gradient checkpointing drops the KV cache while gradients are recorded, so a shared
+    prefix would vanish from the second pass: that forward runs as one pass, and prompts that
+    no two rows share never take two passes."""
+    model = copy.deepcopy(tiny_policy.model).train()
+    ids, mask = grouped_rows(100)
+    plain_logp, _, _ = logprobs_and_gradients(model, ids, mask)
+    model.gradient_checkpointing_enable()
+    rows_seen = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: rows_seen.append(len(kwargs["input_ids"])),
+                                           with_kwargs=True)
+    logp, _, _ = logprobs_and_gradients(model, ids, mask, share_prefix=True)
+    assert torch.allclose(logp, plain_logp, atol=1e-5)
+    model.gradient_checkpointing_disable()
+    logprobs_and_gradients(model, ids[:3], mask[:3], share_prefix=True)
+    hook.remove()
+    assert rows_seen == [9, 3]

@@ -119,6 +119,9 @@ class GRPOTrainer:
         trainer = config.trainer
         self.train_tasks, self.eval_tasks, self.reward_fn = list(train_tasks), list(eval_tasks), reward_fn
         self.sharded = is_sharded(acc)
+        # FSDP frees the gathered weights after each forward, so the graph of a first pass over
+        # shared prompts cannot be backpropagated after a second pass: rows run whole there.
+        self.share_prompts = trainer.share_prompt_forward and not self.sharded
         # Where rollouts happen: in every process, or on each node's first (node_rollout.py).
         self.placement = None
         if config.rollout.engine_per_node:
@@ -400,7 +403,8 @@ class GRPOTrainer:
         first = mb.first_trained_position()
         logp, logits = forward_logprobs(model, mb.input_ids, mb.attention_mask,
                                         self.config.rollout.temperature or 1.0,
-                                        position_ids=mb.position_ids, from_position=first)
+                                        position_ids=mb.position_ids, from_position=first,
+                                        share_prefix=self.share_prompts)
         if not entropy:
             return logp, None
         return logp, left_pad(token_entropy(logits), logp.shape[1] - logits.shape[1])

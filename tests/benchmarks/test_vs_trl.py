@@ -76,7 +76,8 @@ def test_benchmark_prints_the_ratio_rows_at_its_shortest(tmp_path):
     assert SETUP == "bash scripts/setup_trl_env.sh" and SETUP in (REPO / ".ci/run").read_text()
     if not (REPO / ".venv-trl/bin/python").exists():
         pytest.skip(".venv-trl is missing: run bash scripts/setup_trl_env.sh")
-    command = f"{COMMAND} --model small --steps 2 --pairs 1 --max-other-load inf --workdir {tmp_path}"
+    command = (f"{COMMAND} --model small --steps 2 --pairs 1 --max-other-load inf --workdir {tmp_path}"
+               " --selfcest-set trainer.share_prompt_forward=false")
     done = shell(command, REPO)
     assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     number = r"\s+\d+\.\d+"
@@ -85,3 +86,5 @@ def test_benchmark_prints_the_ratio_rows_at_its_shortest(tmp_path):
         for library in ("TRL", "selfcest"):
             assert re.search(rf"^small\s+{beta}\s+{library}{number}", done.stdout, re.MULTILINE), done.stdout
     assert "4 runs kept, 0 discarded" in done.stdout
+    configs = [json.loads(path.read_text()) for path in (tmp_path / "runs").glob("selfcest-*/config.json")]
+    assert len(configs) == 2 and all(c["trainer"]["share_prompt_forward"] is False for c in configs)

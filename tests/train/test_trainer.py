@@ -331,38 +331,79 @@ def test_a_lora_run_trains_every_adapter_and_the_protocol_token_embeddings(tmp_p
     assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
 
 
+def one_update(config, spawning_policy, trees, tasks, hook=None):
+    """The metrics of one update on ``trees`` from a copy of ``spawning_policy``, and the
+    gradients the optimizer is handed (Adam's first step is about sign(g) * lr, so the updated
+    weights would magnify float noise on near-zero gradients). ``hook``: a forward pre-hook
+    (with kwargs) on the policy model."""
+    policy = ClonePolicy(copy.deepcopy(spawning_policy.model), spawning_policy.tokenizer,
+                         spawning_policy.protocol)
+    if hook is not None:
+        policy.model.register_forward_pre_hook(hook, with_kwargs=True)
+    trainer = build_trainer(config, policy=policy, train_tasks=tasks)
+    gradients, step = {}, trainer.optimizer.step
+
+    def record_gradients(*args, **kwargs):
+        gradients.update({n: p.grad.clone() for n, p in policy.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = record_gradients
+    metrics = trainer.train_on_trees(trees)
+    trainer.close()
+    return metrics, gradients
+
+
+def assert_same_update(first, second) -> None:
+    (metrics, gradients), (other_metrics, other_gradients) = first, second
+    for key in ("loss/kl_ref", "loss/pg_loss"):
+        assert other_metrics[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-7), key
+    # Tolerance from the largest gradient of all: the keys' bias gets only float noise
+    # (softmax ignores a shift shared by all keys), which no relative tolerance can match.
+    scale = max(grad.abs().max() for grad in gradients.values())
+    for name, grad in gradients.items():
+        assert grad.abs().max() > 0, name
+        assert torch.allclose(other_gradients[name], grad, rtol=1e-4, atol=1e-6 * scale), name
+
+
+def scored_trees(spawning_policy, tasks):
+    trees = spawning_policy.engine(Budget(max_depth=1, node_generation=16), SamplingParams()).rollout(tasks, 4)
+    for i, tree in enumerate(trees):
+        tree.reward, tree.correct, tree.info["malformed_nodes"] = float(i % 4), False, []
+    return trees
+
+
 def test_packed_rows_train_exactly_as_one_sample_per_row(tmp_path, spawning_policy, demo_task):
     """The same trees (roots and clones of different lengths) give the same update packed
     and unpacked, with less padding packed: packed samples see only themselves."""
     tasks = [demo_task, Task("short", "Hi.", "0", {})]  # short roots: two share a packed row
-    trees = spawning_policy.engine(Budget(max_depth=1, node_generation=16), SamplingParams()).rollout(tasks, 4)
-    for i, tree in enumerate(trees):
-        tree.reward, tree.correct, tree.info["malformed_nodes"] = float(i % 4), False, []
+    trees = scored_trees(spawning_policy, tasks)
     results = {}
     for packing in (False, True):
-        policy = ClonePolicy(copy.deepcopy(spawning_policy.model), spawning_policy.tokenizer,
-                             spawning_policy.protocol)
-        config = small_config(tmp_path / str(packing), packing=packing, lr=1e-2)
+        # Rows run whole unpacked too (shared prompts: the next test).
+        config = small_config(tmp_path / str(packing), packing=packing, share_prompt_forward=False, lr=1e-2)
         config.algo.loss.kl_coef = 0.1  # the reference forward packs too
-        trainer = build_trainer(config, policy=policy, train_tasks=tasks)
-        # The gradient the optimizer is handed (Adam's first step is about sign(g) * lr, so
-        # the updated weights would magnify float noise on near-zero gradients).
-        gradients, step = {}, trainer.optimizer.step
+        results[packing] = one_update(config, spawning_policy, trees, tasks)
+    assert results[True][0]["train/padding_frac"] < results[False][0]["train/padding_frac"]
+    assert_same_update(results[False], results[True])
 
-        def record_gradients(*args, model=policy.model, gradients=gradients, step=step, **kwargs):
-            gradients.update({n: p.grad.clone() for n, p in model.named_parameters()})
-            return step(*args, **kwargs)
 
-        trainer.optimizer.step = record_gradients
-        results[packing] = trainer.train_on_trees(trees), gradients
-        trainer.close()
-    (unpacked, plain_grads), (packed, packed_grads) = results[False], results[True]
-    assert packed["train/padding_frac"] < unpacked["train/padding_frac"]
-    assert packed["loss/kl_ref"] == pytest.approx(unpacked["loss/kl_ref"], rel=1e-4, abs=1e-7)
-    assert packed["loss/pg_loss"] == pytest.approx(unpacked["loss/pg_loss"], rel=1e-4, abs=1e-7)
-    for name, grad in plain_grads.items():
-        assert grad.abs().max() > 0, name
-        assert torch.allclose(packed_grads[name], grad, rtol=1e-4, atol=1e-6 * grad.abs().max()), name
+def test_shared_prompts_train_as_one_pass_per_row(tmp_path, spawning_policy, demo_task):
+    """trainer.share_prompt_forward: the same trees give the same update with each group's
+    prompt run once in the policy's forward as with every row run whole (the reference, a
+    separate model here, shares its prompts too)."""
+    tasks = [demo_task, Task("short", "Hi.", "0", {})]
+    trees = scored_trees(spawning_policy, tasks)
+    results, rows_seen = {}, {}
+    for share in (False, True):
+        config = small_config(tmp_path / str(share), share_prompt_forward=share, lr=1e-2)
+        config.algo.loss.kl_coef = 0.1
+        seen = rows_seen[share] = []
+        results[share] = one_update(config, spawning_policy, trees, tasks,
+                                    hook=lambda _, args, kwargs, seen=seen: seen.append(len(kwargs["input_ids"])))
+    assert_same_update(results[False], results[True])
+    # Sharing adds a pass over fewer rows than any micro-batch has.
+    assert len(rows_seen[True]) > len(rows_seen[False]) and min(rows_seen[True]) < min(rows_seen[False])
+    assert results[True][0]["train/micro_batches"] == results[False][0]["train/micro_batches"]
 
 
 def test_a_model_that_lets_packed_samples_meet_is_refused(tmp_path):

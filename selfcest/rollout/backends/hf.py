@@ -9,6 +9,10 @@ while long ones finish.
 Sampling draws each row's token with the row's own seeded generator, so a request's tokens
 do not depend on what else was batched with it (up to floating-point effects of padding).
 
+Requests with the same prompt in one batch (a GRPO group) are prefilled once, and each row
+starts from a copy of that row's keys and values (a pass over fewer rows may round the last
+bits differently, as any other batching may).
+
 A row that stops on one of its request's ``resume_token_ids`` (a node's spawn call) leaves
 its keys and values in a `PrefixCache`; the request that resumes the node, whose prompt
 starts with that row's tokens, prefills only what came after them (the clones' answers).
@@ -71,13 +75,14 @@ class HFBackend:
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         # Counters for benchmarks and logs: passes, batches, prompt positions prefilled (with
-        # and without padding), prompt positions taken from the prefix cache instead, and the
-        # seconds of the prefill passes.
+        # and without padding), prompt positions taken from the prefix cache instead, those of
+        # rows that repeated another row of their batch, and the seconds of the prefill passes.
         self.forward_passes = 0
         self.batches = 0
         self.prefill_tokens = 0
         self.prefill_real_tokens = 0
         self.cached_prompt_tokens = 0
+        self.repeated_prompt_tokens = 0
         self.prefill_seconds = 0.0
 
     # ------------------------------------------------------------------ async front
@@ -161,13 +166,15 @@ class HFBackend:
         self.batches += 1
         prefill_start = time.perf_counter()
         while True:
-            out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                        use_cache=True, logits_to_keep=1, **{cache_arg: cache})
             if prefill_start is not None:
+                logits = self._first_pass(input_ids, attention, positions, cache, cache_arg)
                 self.prefill_seconds += time.perf_counter() - prefill_start
                 prefill_start = None
+            else:
+                out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                            use_cache=True, logits_to_keep=1, **{cache_arg: cache})
+                logits = out.logits[:, -1, :].float()
             self.forward_passes += 1
-            logits = out.logits[:, -1, :].float()
             drawn, drawn_logprobs = sample_rows(
                 logits, [requests[i].sampling for i in live], [generators[i] for i in live]
             )
@@ -198,6 +205,27 @@ class HFBackend:
             Completion(tokens[i], logprobs[i], finish[i], self.weight_version)
             for i in range(len(requests))
         ]
+
+    def _first_pass(self, input_ids, attention, positions, cache: DynamicCache, cache_arg: str) -> torch.Tensor:
+        """The last position's logits (float32) of the batch's first pass, which fills ``cache``.
+
+        Rows that are one prompt (a GRPO group's copies, nothing taken from the prefix cache)
+        run once: the pass feeds each distinct row, then every row gets its copy of that row's
+        keys, values and logits.
+        """
+        repeated = repeated_rows(input_ids, attention) if cache.get_seq_length() == 0 else None
+        fed = slice(None) if repeated is None else repeated[0]
+        real = int(attention[fed][:, -input_ids.shape[1]:].sum())
+        self.prefill_tokens += input_ids[fed].numel()
+        self.prefill_real_tokens += real
+        self.repeated_prompt_tokens += int(attention[:, -input_ids.shape[1]:].sum()) - real
+        out = self.model(input_ids=input_ids[fed], attention_mask=attention[fed], position_ids=positions[fed],
+                         use_cache=True, logits_to_keep=1, **{cache_arg: cache})
+        logits = out.logits[:, -1, :].float()
+        if repeated is None:
+            return logits
+        cache.batch_select_indices(repeated[1])
+        return logits[repeated[1]]
 
     def _prefill_inputs(self, requests: Sequence[_Request], device):
         """Input ids, attention mask and positions of the batch's first pass, and the KV
@@ -230,8 +258,6 @@ class HFBackend:
                 [(p.key_values, max(0, n - fed)) if p else (None, 0) for n, p in zip(lengths, prefixes)],
                 cached, device)
         self.cached_prompt_tokens += sum(max(0, n - fed) for n in lengths)
-        self.prefill_tokens += len(requests) * fed
-        self.prefill_real_tokens += sum(min(n, fed) for n in lengths)
         cache = DynamicCache(ddp_cache_data=key_values, config=self.model.config)
         return input_ids[:, cached:], attention, positions[:, cached:], cache
 
@@ -273,6 +299,17 @@ def _batch_key_values(rows, width: int, device) -> list[tuple[torch.Tensor, torc
                 batch_values[row, :, width - used:] = key_values[layer][1][0, :, :used]
         layers.append((batch_keys, batch_values))
     return layers
+
+
+def repeated_rows(input_ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where rows repeat (same tokens, same mask): the first row of each distinct one, and
+    for every row the position of its distinct row in that list. None when no row repeats."""
+    distinct, row_of = torch.unique(torch.cat([input_ids, attention], dim=1), dim=0, return_inverse=True)
+    if len(distinct) == len(input_ids):
+        return None
+    rows = torch.arange(len(row_of), device=row_of.device)
+    first = torch.full((len(distinct),), len(row_of), device=row_of.device)
+    return first.scatter_reduce(0, row_of, rows, "amin"), row_of
 
 
 def plain_attention_cache(model) -> bool:

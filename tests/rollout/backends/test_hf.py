@@ -127,6 +127,30 @@ def test_decoding_is_bitwise_the_reference_loop(tiny_policy, sampling):
     assert [(c.token_ids, c.logprobs) for c in completions] == expected
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0)])
+def test_repeated_prompts_are_prefilled_once_and_sample_as_the_reference_loop(tiny_policy, sampling):
+    """A batch of three prompts, six rows (a prompt three times, one twice, one once; own
+    seeds and budgets): the first pass feeds three rows, and every row samples the tokens the
+    plain loop, which prefills all six, samples (logprobs to float rounding: a pass over three
+    rows need not round as one over six)."""
+    model = tiny_policy.model.eval()
+    backend = HFBackend(model, tiny_policy.tokenizer.pad_token_id)
+    distinct = prompts(tiny_policy.tokenizer, 3)
+    order = [0, 1, 0, 2, 1, 0]
+    requests = [(distinct[k], dict(max_tokens=4 + 3 * i, stop_token_ids=[], sampling=sampling, seed=i))
+                for i, k in enumerate(order)]
+    completions = generate_all(backend, requests)
+    expected = reference_decode(model, tiny_policy.tokenizer.pad_token_id, requests)
+    assert [c.token_ids for c in completions] == [tokens for tokens, _ in expected]
+    for completion, (_, logprobs) in zip(completions, expected):
+        assert torch.allclose(torch.tensor(completion.logprobs), torch.tensor(logprobs), atol=1e-5)
+    width = max(map(len, distinct))
+    assert backend.prefill_tokens == 3 * width and backend.prefill_real_tokens == sum(map(len, distinct))
+    assert backend.repeated_prompt_tokens == 2 * len(distinct[0]) + len(distinct[1])
+    if sampling.temperature:  # own seeds: copies of one prompt draw their own tokens
+        assert len({tuple(completions[i].token_ids[:4]) for i in (0, 2, 5)}) == 3
+
+
 def test_each_row_stops_on_its_own_stop_tokens_and_budget(tiny_policy):
     backend = HFBackend(tiny_policy.model, tiny_policy.tokenizer.pad_token_id)
     batch = prompts(tiny_policy.tokenizer, 6)
@@ -251,7 +275,9 @@ def test_a_resumed_node_prefills_only_what_its_cached_prefix_does_not_cover(spaw
     # A resumed root's cache holds its prompt and its turn up to the spawn-close token.
     resumed = sum(len(t.root.prompt_ids) + len(t.root.segments[0].token_ids) - 1 for t in trees)
     assert cached.cached_prompt_tokens == resumed > 0 and plain.cached_prompt_tokens == 0
-    assert plain.prefill_real_tokens - cached.prefill_real_tokens == resumed
+    # The same requests in both runs: what the cache does not hold is fed, or repeats a row.
+    assert (plain.prefill_real_tokens + plain.repeated_prompt_tokens
+            - cached.prefill_real_tokens - cached.repeated_prompt_tokens) == resumed
 
 
 def stop_and_resume_requests(tokenizer, backend, count, sampling):
