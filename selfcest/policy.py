@@ -31,7 +31,13 @@ from selfcest.budget import Budget
 from selfcest.configure import setting
 from selfcest.protocol import PlainProtocol, Protocol, TokenProtocol, ToolCallProtocol
 from selfcest.rollout.backends.base import Backend, SamplingParams
-from selfcest.rollout.backends.hf import HFBackend, cache_argument, forward_parameters, plain_attention_cache
+from selfcest.rollout.backends.hf import (
+    HFBackend,
+    cache_argument,
+    forward_parameters,
+    plain_attention_cache,
+    repeated_rows,
+)
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
 from selfcest.tree import CloneTree
@@ -300,15 +306,17 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     ``share_prefix``: where several rows begin with the same ``from_position - 1`` tokens (a
     GRPO group's copies of one prompt), those columns run once per distinct prefix
     (`shared_prefix_logits`). Same logprobs and gradients up to float rounding; used only
-    where `can_share_prefix` allows it, one pass as above otherwise.
+    where `shareable_prefix` finds repeated prefixes, one pass as above otherwise.
     """
     if attention_mask is not None:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     elif position_ids is None:
         raise ValueError("forward_logprobs needs an attention mask or, for packed rows, position ids")
     shared = from_position - 1
-    if share_prefix and can_share_prefix(model, input_ids, attention_mask, shared):
-        logits = shared_prefix_logits(model, input_ids, attention_mask, position_ids, shared) / temperature
+    repeated = shareable_prefix(model, input_ids, attention_mask, shared) if share_prefix else None
+    if repeated is not None:
+        logits = shared_prefix_logits(model, input_ids, attention_mask, position_ids, shared, *repeated)
+        logits = logits / temperature
         return left_pad(token_logprobs(logits, input_ids[:, shared:]), shared), logits
     skipped = max(from_position - 1, 0) if takes_logits_to_keep(model) else 0
     # No KV cache: nothing is decoded after this pass, and transformers only separates
@@ -320,42 +328,43 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return left_pad(token_logprobs(logits, input_ids[:, skipped:]), skipped), logits
 
 
-def can_share_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, columns: int) -> bool:
-    """Whether `shared_prefix_logits` may run the first ``columns`` columns once per distinct
-    prefix: unpacked rows all real there, fewer distinct prefixes than rows, and a model that
-    keeps a plain KV cache in this pass (gradient checkpointing drops the cache while it
-    records gradients, so the second pass would not see the prefix at all)."""
+def shareable_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     columns: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`repeated_rows` of the first ``columns`` columns, where `shared_prefix_logits` may run
+    them once per distinct prefix: unpacked rows all real there, and a model that keeps a
+    plain KV cache in this pass (gradient checkpointing drops the cache while it records
+    gradients, so the second pass would not see the prefix at all). None otherwise."""
     if attention_mask is None or columns < 1 or not bool(attention_mask[:, :columns].all()):
-        return False
+        return None
     inner = getattr(model, "module", model)
     # The flag transformers' checkpointed layers read before they drop the cache.
     if torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) and m.training
                                        for m in inner.modules()):
-        return False
+        return None
     if not plain_attention_cache(inner):
-        return False
-    return len(torch.unique(input_ids[:, :columns], dim=0)) < len(input_ids)
+        return None
+    return repeated_rows(input_ids[:, :columns], attention_mask[:, :columns])
 
 
 def shared_prefix_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         position_ids: torch.Tensor, columns: int) -> torch.Tensor:
+                         position_ids: torch.Tensor, columns: int, first_rows: torch.Tensor,
+                         row_prefix: torch.Tensor) -> torch.Tensor:
     """The logits of columns ``columns`` on (``[rows, T - columns, vocab]``), with the first
-    ``columns`` columns run once per distinct prefix.
+    ``columns`` columns run once per distinct prefix (``first_rows``, ``row_prefix``: from
+    `shareable_prefix`).
 
     A first pass over the distinct prefixes fills a KV cache; each row gets its prefix's keys
     and values (an index, through which gradients flow back and add up); a second pass feeds
-    the rest of every row against them. Check `can_share_prefix` first.
+    the rest of every row against them.
     """
-    prefixes, row_prefix = torch.unique(input_ids[:, :columns], dim=0, return_inverse=True)
     # The first pass goes around a DDP wrapper: DDP's forward starts with a collective (buffer
     # broadcast), and processes whose micro-batches share no prompt make one pass, not two.
     # DDP's gradient hooks sit on the parameters, so this pass's gradients are all-reduced too.
     inner = getattr(model, "module", model)
     cache = DynamicCache(config=inner.config)
     keep = {"logits_to_keep": 1} if takes_logits_to_keep(inner) else {}  # the prefix's logits are not wanted
-    # Every row is real over the prefix, so every row's positions there are 0, 1, ...
-    inner(input_ids=prefixes, position_ids=position_ids[: len(prefixes), :columns], use_cache=True,
-          **keep, **{cache_argument(inner): cache})
+    inner(input_ids=input_ids[first_rows, :columns], position_ids=position_ids[first_rows, :columns],
+          use_cache=True, **keep, **{cache_argument(inner): cache})
     per_row = [(layer.keys.index_select(0, row_prefix), layer.values.index_select(0, row_prefix))
                for layer in cache.layers]
     cache = DynamicCache(ddp_cache_data=per_row, config=inner.config)
