@@ -238,12 +238,12 @@ def test_scaling_out_line_composes_and_validates_but_is_not_run(command, tmp_pat
 # ----------------------------------------------------------------------------- Development
 
 DEVELOPMENT = commands(readme_blocks("## Development")[0])
-ROLLOUT_BENCH, STEP_BENCH, ROOFLINE_BENCH = [c for c in DEVELOPMENT if c.startswith("python benchmarks/")]
+ROLLOUT_BENCH, STEP_BENCH, ROOFLINE_BENCH, CACHE_BENCH = [c for c in DEVELOPMENT if c.startswith("python benchmarks/")]
 
 
 def test_development_test_lines_use_declared_markers_and_existing_paths(pytestconfig):
     """The test lines are the suite itself: not run here, but what they name must exist."""
-    tests = [c for c in DEVELOPMENT if c not in (ROLLOUT_BENCH, STEP_BENCH, ROOFLINE_BENCH)]
+    tests = [c for c in DEVELOPMENT if not c.startswith("python benchmarks/")]
     assert tests[0] == "make test" and all("pytest" in c for c in tests[1:])
     declared = {marker.split(":")[0] for marker in pytestconfig.getini("markers")}  # pyproject's
     used = {m for c in tests for m in re.findall(r"pytest -m (\w+)", c)}
@@ -271,6 +271,11 @@ def test_roofline_benchmark_runs_at_its_smallest():
     printed = ok(f"{ROOFLINE_BENCH} --model small --repeats 1", REPO).stdout
     for phase in ("decode", "update"):
         assert re.search(rf"^small  {phase} +(\d+\.\d+ +){{6}}\d+\.\d+$", printed, re.MULTILINE), printed
+
+
+def test_decode_cache_benchmark_runs_at_its_smallest():
+    printed = ok(f"{CACHE_BENCH} --model large --prompt-tokens 6 --new-tokens 3 --rows 8 --pairs 2", REPO).stdout
+    assert re.search(r"^large +\d+\.\d+ +\d+\.\d+ +\d+\.\d+  True$", printed, re.MULTILINE), printed
 
 
 # ----------------------------------------------------------------------------- Controller

@@ -13,6 +13,10 @@ Requests with the same prompt in one batch (a GRPO group) are prefilled once, an
 starts from a copy of that row's keys and values (a pass over fewer rows may round the last
 bits differently, as any other batching may).
 
+A batch's keys and values go into buffers reserved for the whole decode (`kv_cache.py`;
+models whose cache is a stack of plain attention layers), where transformers' own cache
+copies all of them at every step; the model computes bitwise the same either way.
+
 A row that stops on one of its request's ``resume_token_ids`` (a node's spawn call) leaves
 its keys and values in a `PrefixCache`; the request that resumes the node, whose prompt
 starts with that row's tokens, prefills only what came after them (the clones' answers).
@@ -39,6 +43,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from selfcest.rollout.backends.base import Completion, SamplingParams, check_request
+from selfcest.rollout.backends.kv_cache import reserved_cache
 from selfcest.rollout.backends.prefix_cache import PrefixCache
 
 
@@ -68,8 +73,10 @@ class HFBackend:
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.weight_version = 0
+        # Plain attention caches decode into reserved room (kv_cache.py) and can take prefixes.
+        self.plain_cache = plain_attention_cache(model)
         self.prefix_cache = (PrefixCache(int(prefix_cache_mb * 2**20))
-                             if prefix_cache_mb > 0 and plain_attention_cache(model) else None)
+                             if prefix_cache_mb > 0 and self.plain_cache else None)
         self._pending: list[_Request] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
@@ -258,7 +265,10 @@ class HFBackend:
                 [(p.key_values, max(0, n - fed)) if p else (None, 0) for n, p in zip(lengths, prefixes)],
                 cached, device)
         self.cached_prompt_tokens += sum(max(0, n - fed) for n in lengths)
-        cache = DynamicCache(ddp_cache_data=key_values, config=self.model.config)
+        if self.plain_cache:
+            cache = reserved_cache(self.model.config, width + max(r.max_tokens for r in requests), key_values)
+        else:
+            cache = DynamicCache(ddp_cache_data=key_values, config=self.model.config)
         return input_ids[:, cached:], attention, positions[:, cached:], cache
 
     def _keep_prefix(self, cache: DynamicCache, row: int, token_ids: list[int]) -> None:
