@@ -1,13 +1,13 @@
 """A KV cache that writes each decode step into room reserved ahead, instead of copying.
 
 transformers' `DynamicLayer` appends a step's keys and values by concatenating them to all
-that is cached, so every decode step copies the whole cache in every layer. On the GRPO step
-of `benchmarks/vs_trl.py` (32 rows, 64 new tokens, the 8.49M model) those copies were 14% of
-the rollout's time under torch.profiler. A `ReservedLayer` allocates its buffers once, for
-as many positions as the decode can reach, writes new positions in place and hands attention
-views of the filled columns: the same values in the same order along the sequence, so the
-model computes bitwise what it computes with `DynamicLayer`
-(tests/rollout/backends/test_kv_cache.py).
+that is cached, so every decode step copies the whole cache in every layer, and the copying
+grows with the context. A `ReservedLayer` allocates its buffers once, for as many positions
+as the decode can reach, writes new positions in place and hands attention views of the
+filled positions: the same values in the same order along the sequence, so the model
+computes bitwise what it computes with `DynamicLayer` (tests/rollout/backends/
+test_kv_cache.py). A decode of 32 rows takes 0.86-0.91x the time at contexts of 352-544
+tokens, 0.99x at 90 (`benchmarks/decode_cache.py`, docs/performance.md).
 
 Simplification: the buffers' batch dimension is reindexed by copying (rows that finish leave
 the batch), and offloading to another device is not supported; the HF backend needs neither
@@ -24,12 +24,12 @@ from transformers.cache_utils import DynamicLayer
 class ReservedLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values live in buffers of ``capacity`` positions
     (more are reserved, by doubling, if a decode outgrows them); ``keys`` and ``values`` are
-    views of the filled columns."""
+    views of the filled positions."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
         self.capacity = capacity
-        self.length = 0  # filled columns
+        self.length = 0  # filled positions
         self.key_buffer: torch.Tensor | None = None
         self.value_buffer: torch.Tensor | None = None
 
@@ -48,7 +48,7 @@ class ReservedLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.length:
-            # Only the filled columns are copied: the rest is written before it is read.
+            # Only the filled positions are copied: the rest is written before it is read.
             self._select(lambda buffer: buffer[indices, :self.length])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
