@@ -60,6 +60,12 @@ class TrainingSample:
     def num_trainable(self) -> int:
         return sum(self.loss_mask)
 
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        """Its tokens before its first sampled one: what rows of one prompt share."""
+        first = self.loss_mask.index(1) if 1 in self.loss_mask else self.length
+        return tuple(self.input_ids[:first])
+
 
 def samples_from_trees(trees: Sequence[CloneTree], advantages: Advantages) -> list[TrainingSample]:
     """One sample per node of every kept tree, in tree order then node order.
@@ -106,6 +112,7 @@ def make_micro_batches(
     *,
     pass_overhead_tokens: int = 512,
     oversize: str = "alone",
+    prompts: Sequence[tuple[int, ...]] | None = None,
 ) -> list[list[int]]:
     """Group sample indices so each micro-batch's padded size fits the token budget.
 
@@ -123,6 +130,16 @@ def make_micro_batches(
     such as roots next to clones, inside micro-batches. ``pass_overhead_tokens >= budget``
     gives the fewest micro-batches (an extra one can never save more than a budget of
     padding); 0 gives one sample per micro-batch. Micro-batches come longest first.
+
+    ``prompts`` (one per sample: its tokens before its first sampled one), where the
+    update runs a micro-batch's shared prompt columns once per distinct prompt
+    (`selfcest.policy.shared_prefix_logits`, ``trainer.share_prompt_forward``): a run's
+    compute is then ``rows x longest row - (rows - distinct prompts) x shared``, ``shared``
+    being the columns before the run's first trained position (its shortest prompt less
+    one). Without it, a GRPO step whose few short completions make a micro-batch of their
+    own runs their groups' prompts twice and saves less padding than that costs. Prompts
+    are told apart whole, so prompts that agree only on their first columns count as
+    distinct (the cost is then an upper bound). The budget still bounds rows x longest row.
 
     A sample longer than the budget fits no micro-batch: ``oversize="alone"`` gives it one
     of its own (the one case where the budget is exceeded; lengths are bounded by the
@@ -143,6 +160,8 @@ def make_micro_batches(
             f"sample {i} has {lengths[i]} tokens, more than max_tokens_per_micro_batch = {budget}"
         )
     fitting = [i for i in order if lengths[i] <= budget]
+    ids = {prompt: k for k, prompt in enumerate(dict.fromkeys(prompts or ()))}
+    prompt_id = None if prompts is None else [ids[prompt] for prompt in prompts]
     # best[j] = (cost, micro-batches) of the best cut of fitting[:j]; cut[j] = start of its
     # last micro-batch. A run fitting[i:j] is padded to its first (longest) row, so it fits
     # iff (j - i) * length(fitting[i]) <= budget, and once a start i fails, every earlier
@@ -151,11 +170,18 @@ def make_micro_batches(
     cut: list[int] = [0]
     for j in range(1, len(fitting) + 1):
         candidate, start = None, j - 1
+        distinct, shortest = set(), None  # prompts of the run fitting[i:j], as i goes down
         for i in range(j - 1, -1, -1):
             padded = (j - i) * lengths[fitting[i]]
             if padded > budget:
                 break
-            cost = (best[i][0] + padded + pass_overhead_tokens, best[i][1] + 1)
+            computed = padded
+            if prompt_id is not None:
+                distinct.add(prompt_id[fitting[i]])
+                prompt = len(prompts[fitting[i]])
+                shortest = prompt if shortest is None else min(shortest, prompt)
+                computed -= (j - i - len(distinct)) * max(shortest - 1, 0)
+            cost = (best[i][0] + computed + pass_overhead_tokens, best[i][1] + 1)
             if candidate is None or cost < candidate:
                 candidate, start = cost, i
         best.append(candidate)

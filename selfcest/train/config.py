@@ -246,8 +246,9 @@ class TrainerConfig:
         "in each micro-batch, run the columns before the first sampled token once per distinct "
         "prefix (a GRPO group's copies of one prompt) and hand every row its prefix's keys and "
         "values (selfcest.policy.shared_prefix_logits): same logprobs and gradients up to float "
-        "rounding, fewer tokens through the model. Skipped where it cannot apply (packed rows, "
-        "FSDP, gradient checkpointing, sliding-window or recurrent layers)"))
+        "rounding, fewer tokens through the model; micro-batches are cut counting each prompt once. "
+        "Skipped where it cannot apply (packed rows, FSDP, gradient checkpointing, sliding-window "
+        "or recurrent layers)"))
     optimizer_steps_per_step: int = setting(1, help="optimizer steps per training step, whatever the number of clones")
     lr: float = setting(1e-4, help="AdamW peak learning rate")
     weight_decay: float = setting(0.0, help="AdamW weight decay")

@@ -320,8 +320,10 @@ class GRPOTrainer:
             micro = packed_micro_batches(lengths, trainer.tokens_per_micro_batch)
         else:
             width = None
+            # Where the update runs a shared prompt once, cutting a group apart costs its prompt.
+            prompts = [s.prompt for s in samples] if self.share_prompts else None
             micro = make_micro_batches(lengths, trainer.tokens_per_micro_batch,
-                                       pass_overhead_tokens=trainer.pass_overhead_tokens)
+                                       pass_overhead_tokens=trainer.pass_overhead_tokens, prompts=prompts)
         timer = PhaseTimer(self.accelerator.device)
         trainable = [s.num_trainable for s in samples]
         plan = split_for_optimizer_steps(micro, trainer.optimizer_steps_per_step, trainable)

@@ -122,6 +122,60 @@ def test_oversize_samples_go_alone_or_raise():
         make_micro_batches([12, 4, 4], 10, oversize="raise")
 
 
+def test_a_shared_prompt_keeps_its_group_in_one_micro_batch():
+    # Two prompts of 10 tokens, two rows each (a GRPO step in small); one completion ends
+    # early: lengths 30, 30, 30, 22 (rows 0, 1: prompt A; rows 2, 3: prompt B), overhead 4.
+    lengths = [30, 30, 30, 22]
+    prompts = [(1,) * 10, (1,) * 10, (2,) * 10, (2,) * 10]
+    # Rows run whole: [all] 120 + 4 = 124 against [30, 30, 30][22] 90 + 22 + 8 = 120.
+    assert make_micro_batches(lengths, 1000, pass_overhead_tokens=4) == [[0, 1, 2], [3]]
+    # Prompts run once (9 shared columns): [all] 120 - 2 x 9 + 4 = 106 against
+    # (90 - 1 x 9) + 22 + 8 = 111: the short row stays with its group.
+    assert make_micro_batches(lengths, 1000, pass_overhead_tokens=4, prompts=prompts) == [[0, 1, 2, 3]]
+    # Prompts that all differ share nothing: the cut is the one without prompts.
+    distinct = [(k,) * 10 for k in range(4)]
+    assert make_micro_batches(lengths, 1000, pass_overhead_tokens=4, prompts=distinct) == [[0, 1, 2], [3]]
+
+
+def computed_tokens(run: list[int], lengths: list[int], prompts: list[tuple[int, ...]]) -> int:
+    """What the update computes for one micro-batch whose prompts run once each: the rows
+    padded to the longest, less the shared columns of every row that repeats a prompt."""
+    shared = max(min(len(prompts[i]) for i in run) - 1, 0)
+    return len(run) * max(lengths[i] for i in run) - (len(run) - len(set(prompts[i] for i in run))) * shared
+
+
+def test_the_prompt_aware_cut_is_the_cheapest_cut_of_the_length_order():
+    """Against every cut of the length-sorted samples into runs, on random GRPO-like steps."""
+    rng = random.Random(2)
+    for _ in range(60):
+        groups = rng.randint(1, 4)
+        prompts, lengths = [], []
+        for group in range(groups):
+            prompt = (group,) * rng.randint(1, 12)
+            for _ in range(rng.randint(1, 3)):
+                prompts.append(prompt)
+                lengths.append(len(prompt) + rng.randint(1, 20))
+        budget, overhead = rng.randint(40, 200), rng.randint(0, 20)
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        fitting = [i for i in order if lengths[i] <= budget]
+        best = None
+        for mask in range(2 ** max(len(fitting) - 1, 0)):
+            runs, run = [], [fitting[0]] if fitting else []
+            for k in range(1, len(fitting)):
+                if mask >> (k - 1) & 1:
+                    runs.append(run)
+                    run = []
+                run.append(fitting[k])
+            runs += [run] if run else []
+            if any(len(r) * max(lengths[i] for i in r) > budget for r in runs):
+                continue
+            cost = (sum(computed_tokens(r, lengths, prompts) + overhead for r in runs), len(runs))
+            best = cost if best is None else min(best, cost)
+        batches = make_micro_batches(lengths, budget, pass_overhead_tokens=overhead, prompts=prompts)
+        cut = [b for b in batches if lengths[b[0]] <= budget]
+        assert (sum(computed_tokens(r, lengths, prompts) + overhead for r in cut), len(cut)) == (best or (0, 0))
+
+
 def realistic_lengths(seed: int = 0) -> list[int]:
     """A step of 8 prompts x 4 trees: long root contexts, many shorter clone contexts."""
     rng = random.Random(seed)

@@ -29,6 +29,7 @@ from selfcest.train.batching import samples_from_trees
 from selfcest.train.config import TrainConfig
 from selfcest.train.logging import PhaseTimer, read_metrics
 from selfcest.train.setup import build_policy, build_trainer
+from selfcest.train import trainer as trainer_module
 from selfcest.train.trainer import GRPOTrainer
 
 DIGIT_REWARD = textwrap.dedent(
@@ -387,23 +388,33 @@ def test_packed_rows_train_exactly_as_one_sample_per_row(tmp_path, spawning_poli
     assert_same_update(results[False], results[True])
 
 
-def test_shared_prompts_train_as_one_pass_per_row(tmp_path, spawning_policy, demo_task):
+def test_shared_prompts_train_as_one_pass_per_row(tmp_path, spawning_policy, demo_task, monkeypatch):
     """trainer.share_prompt_forward: the same trees give the same update with each group's
     prompt run once in the policy's forward as with every row run whole (the reference, a
     separate model here, shares its prompts too)."""
     tasks = [demo_task, Task("short", "Hi.", "0", {})]
     trees = scored_trees(spawning_policy, tasks)
-    results, rows_seen = {}, {}
+    results, rows_seen, cuts, cut = {}, {}, {}, trainer_module.make_micro_batches
     for share in (False, True):
         config = small_config(tmp_path / str(share), share_prompt_forward=share, lr=1e-2)
         config.algo.loss.kl_coef = 0.1
         seen = rows_seen[share] = []
+
+        def recording_cut(lengths, *args, share=share, **kwargs):
+            cuts[share] = (lengths, kwargs["prompts"])
+            return cut(lengths, *args, **kwargs)
+        monkeypatch.setattr(trainer_module, "make_micro_batches", recording_cut)
         results[share] = one_update(config, spawning_policy, trees, tasks,
                                     hook=lambda _, args, kwargs, seen=seen: seen.append(len(kwargs["input_ids"])))
     assert_same_update(results[False], results[True])
     # Sharing adds a pass over fewer rows than any micro-batch has.
     assert len(rows_seen[True]) > len(rows_seen[False]) and min(rows_seen[True]) < min(rows_seen[False])
-    assert results[True][0]["train/micro_batches"] == results[False][0]["train/micro_batches"]
+    # Micro-batches are cut knowing that a group's prompt runs once (batching.py's tests):
+    # each sample's tokens before its first sampled one, which the trees' copies repeat.
+    lengths, prompts = cuts[True]
+    assert cuts[False][1] is None and len(prompts) == len(lengths)
+    assert all(0 < len(prompt) < length for prompt, length in zip(prompts, lengths))
+    assert len(set(prompts)) < len(prompts)
 
 
 def test_a_model_that_lets_packed_samples_meet_is_refused(tmp_path):
