@@ -13,7 +13,7 @@ Requests with the same prompt in one batch (a GRPO group) are prefilled once, an
 starts from a copy of that row's keys and values (a pass over fewer rows may round the last
 bits differently, as any other batching may).
 
-A batch's keys and values go into buffers reserved for the whole decode (`kv_cache.py`;
+A batch's keys and values go into buffers reserved ahead of the decode (`kv_cache.py`;
 models whose cache is a stack of plain attention layers), where transformers' own cache
 copies all of them at every step; the model computes bitwise the same either way.
 
@@ -45,6 +45,12 @@ from transformers.cache_utils import DynamicLayer
 from selfcest.rollout.backends.base import Completion, SamplingParams, check_request
 from selfcest.rollout.backends.kv_cache import reserved_cache
 from selfcest.rollout.backends.prefix_cache import PrefixCache
+
+
+# Positions a decode's KV buffers hold past its prompts at first (kv_cache.py): a decode that
+# goes further doubles them (copies amortised over the steps), and a large max_tokens does not
+# reserve memory that rows stopping early never use.
+RESERVED_AHEAD = 256
 
 
 @dataclass
@@ -266,7 +272,8 @@ class HFBackend:
                 cached, device)
         self.cached_prompt_tokens += sum(max(0, n - fed) for n in lengths)
         if self.plain_cache:
-            cache = reserved_cache(self.model.config, width + max(r.max_tokens for r in requests), key_values)
+            room = min(max(r.max_tokens for r in requests), RESERVED_AHEAD)
+            cache = reserved_cache(self.model.config, width + room, key_values)
         else:
             cache = DynamicCache(ddp_cache_data=key_values, config=self.model.config)
         return input_ids[:, cached:], attention, positions[:, cached:], cache

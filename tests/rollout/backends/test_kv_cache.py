@@ -74,11 +74,13 @@ def test_a_reserved_cache_starts_from_given_keys_and_values(tiny_policy):
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
 
 
-@pytest.mark.parametrize("capacity", [None, 1])  # the backend's room, and room outgrown every step
-def test_decoding_through_reserved_buffers_is_bitwise_the_dynamic_cache_loop(tiny_policy, monkeypatch, capacity):
-    if capacity is not None:
+@pytest.mark.parametrize("room", ["backend's", "two positions ahead", "outgrown every step"])
+def test_decoding_through_reserved_buffers_is_bitwise_the_dynamic_cache_loop(tiny_policy, monkeypatch, room):
+    if room == "two positions ahead":
+        monkeypatch.setattr(hf, "RESERVED_AHEAD", 2)
+    if room == "outgrown every step":
         monkeypatch.setattr(hf, "reserved_cache", lambda config, _, key_values=None:
-                            reserved_cache(config, capacity, key_values))
+                            reserved_cache(config, 1, key_values))
     sampling = SamplingParams(temperature=0.9)
     requests = [(p, dict(max_tokens=6 + 3 * i, stop_token_ids=[], sampling=sampling, seed=i))
                 for i, p in enumerate(prompts(tiny_policy.tokenizer, 4))]
