@@ -3,11 +3,12 @@
 transformers' `DynamicLayer` appends a step's keys and values by concatenating them to all
 that is cached, so every decode step copies the whole cache in every layer, and the copying
 grows with the context. A `ReservedLayer` allocates its buffers ahead (the HF backend: for
-its prompts and up to 256 new positions, doubled whenever outgrown), writes new positions in
-place and hands attention views of the filled positions: the same values in the same order along the sequence, so the model
-computes bitwise what it computes with `DynamicLayer` (tests/rollout/backends/
-test_kv_cache.py). A decode of 32 rows takes 0.87-0.91x the time at contexts of 352-544
-tokens, 0.99x at 90 (`benchmarks/decode_cache.py`, docs/performance.md).
+its prompts and up to 256 new positions, doubled whenever outgrown), writes new positions
+in place and hands attention views of the filled positions: the same values in the same
+order along the sequence, so the model computes bitwise what it computes with
+`DynamicLayer` (tests/rollout/backends/test_kv_cache.py). A decode of 32 rows takes
+0.87-0.91x the time at contexts of 352-544 tokens, 0.99x at 90
+(`benchmarks/decode_cache.py`, docs/performance.md).
 
 Simplification: the buffers' batch dimension is reindexed by copying (rows that finish leave
 the batch), and offloading to another device is not supported; the HF backend needs neither
@@ -40,7 +41,7 @@ class ReservedLayer(DynamicLayer):
             self.value_buffer = _buffer_like(value_states, self.capacity)
         end = self.length + key_states.shape[-2]
         if end > self.key_buffer.shape[1]:
-            self._reserve(max(end, 2 * self.key_buffer.shape[1]))
+            self._rebuild(lambda buffer: buffer[:, :self.length], max(end, 2 * self.key_buffer.shape[1]))
         self.key_buffer[:, self.length:end] = key_states.transpose(1, 2)
         self.value_buffer[:, self.length:end] = value_states.transpose(1, 2)
         self._fill(end)
@@ -49,11 +50,12 @@ class ReservedLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.length:
             # Only the filled positions are copied: the rest is written before it is read.
-            self._select(lambda buffer: buffer[indices, :self.length])
+            self._rebuild(lambda buffer: buffer[indices, :self.length], self.key_buffer.shape[1])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.length:
-            self._select(lambda buffer: buffer[:, :self.length].repeat_interleave(repeats, dim=0))
+            self._rebuild(lambda buffer: buffer[:, :self.length].repeat_interleave(repeats, dim=0),
+                          self.key_buffer.shape[1])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx.to(self.device))
@@ -76,18 +78,12 @@ class ReservedLayer(DynamicLayer):
         self.keys = self.key_buffer[:, :length].transpose(1, 2)
         self.values = self.value_buffer[:, :length].transpose(1, 2)
 
-    def _reserve(self, capacity: int) -> None:
-        for name in ("key_buffer", "value_buffer"):
-            old = getattr(self, name)
-            new = old.new_empty((old.shape[0], capacity, *old.shape[2:]))
-            new[:, :self.length] = old[:, :self.length]
-            setattr(self, name, new)
-
-    def _select(self, rows_of) -> None:
-        """Rebuild both buffers from ``rows_of(buffer)``, the filled positions of the rows kept."""
+    def _rebuild(self, rows_of, capacity: int) -> None:
+        """New buffers of ``capacity`` positions holding ``rows_of(buffer)``, the filled
+        positions of the rows kept."""
         for name in ("key_buffer", "value_buffer"):
             kept = rows_of(getattr(self, name))
-            new = kept.new_empty((kept.shape[0], getattr(self, name).shape[1], *kept.shape[2:]))
+            new = kept.new_empty((kept.shape[0], capacity, *kept.shape[2:]))
             new[:, :self.length] = kept
             setattr(self, name, new)
         self._fill(self.length)
