@@ -21,9 +21,11 @@ load on the machine (more than ``--max-other-load`` cores on average, from /proc
 discarded and run again. Prints, per model and beta: the seconds per step of each library
 (the median over runs of each run's median step, the first step left out as warm-up), the
 ratio selfcest / TRL, the mean reward of the first and last step, then each library's
-phase split. Every run's steps go to ``<workdir>/results.json``. ``--selfcest-set`` adds
-Hydra overrides to selfcest's runs (``trainer.share_prompt_forward=false``: selfcest as it
-was before it shared prompts), to compare a setting against the same TRL baseline.
+phase split, and whether each library's repeated runs trained bitwise the same weights
+after every step (they share one seed). Every run's steps go to ``<workdir>/results.json``.
+``--selfcest-set`` adds Hydra overrides to selfcest's runs
+(``trainer.share_prompt_forward=false``: selfcest as it was before it shared prompts), to
+compare a setting against the same TRL baseline.
 
 Reports ratios, not absolute speeds: this machine is shared and noisy.
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -58,6 +61,9 @@ GROUP = 4
 MAX_NEW_TOKENS = 64
 LR = 1e-4
 PHASES = ("rollout", "scoring", "reference", "training", "forward", "backward", "optimizer")
+# One step of a run: seconds by phase, mean reward and completion length, and "weights"
+# (`weights_digest` of the weights after the step).
+Step = dict[str, float | str]
 
 
 # ----------------------------------------------------------------------------- the workload
@@ -166,9 +172,9 @@ def selfcest_phases(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def run_selfcest(folder: Path, model: str, beta: float, steps: int, out: Path,
-                 extra: Sequence[str] = ()) -> list[dict[str, float]]:
+                 extra: Sequence[str] = ()) -> list[Step]:
     """Build selfcest's trainer as the CLI does (``extra``: overrides added last) and run
-    ``steps`` steps; each step's phases."""
+    ``steps`` steps; each step's phases and weights."""
     from selfcest.cli import register_schemas
     from selfcest.configure import compose
     from selfcest.rewards.base import RewardResult, final_turn_text
@@ -183,7 +189,9 @@ def run_selfcest(folder: Path, model: str, beta: float, steps: int, out: Path,
     config = compose("train", selfcest_overrides(folder, model, beta, steps, out) + list(extra), TrainConfig)
     trainer = build_trainer(config, reward_fn=reward_fn)
     try:
-        return [selfcest_phases(trainer.step()) for _ in range(steps)]
+        # The digest is taken after the step's clock stopped: it is not part of the step.
+        return [{**selfcest_phases(trainer.step()), "weights": weights_digest(trainer.policy.model)}
+                for _ in range(steps)]
     finally:
         trainer.close()
 
@@ -214,7 +222,7 @@ def trl_config(beta: float, steps: int, out: Path):
 
 def timed_trl_trainer():
     """TRL's `GRPOTrainer` with the seconds of each phase of a step added up, and each
-    finished step's phases and mean reward kept in ``steps``."""
+    finished step's phases, mean reward and weights digest kept in ``steps``."""
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
@@ -228,14 +236,15 @@ def timed_trl_trainer():
             self.trainer.seconds.clear()
             self.start = time.perf_counter()
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
             self.trainer.finish_step(time.perf_counter() - self.start)
+            self.trainer.steps[-1]["weights"] = weights_digest(model)  # after the step's clock stopped
 
     class TimedGRPOTrainer(GRPOTrainer):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.seconds: Counter[str] = Counter()
-            self.steps: list[dict[str, float]] = []
+            self.steps: list[Step] = []
             self.add_callback(StepTimer(self))
 
         @contextlib.contextmanager
@@ -290,8 +299,8 @@ def timed_trl_trainer():
     return TimedGRPOTrainer
 
 
-def run_trl(folder: Path, model: str, beta: float, steps: int, out: Path) -> list[dict[str, float]]:
-    """TRL's `GRPOTrainer` on the workload for ``steps`` steps; each step's phases."""
+def run_trl(folder: Path, model: str, beta: float, steps: int, out: Path) -> list[Step]:
+    """TRL's `GRPOTrainer` on the workload for ``steps`` steps; each step's phases and weights."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -341,7 +350,7 @@ def wait_for_quiet(max_load: float, patience: float = 60.0) -> None:
 
 
 def run_worker(library: str, folder: Path, model: str, beta: float, steps: int, threads: int,
-               log: Path, selfcest_set: Sequence[str] = ()) -> tuple[list[dict[str, float]], float]:
+               log: Path, selfcest_set: Sequence[str] = ()) -> tuple[list[Step], float]:
     """One run in a process of its own; its steps, and the cores other processes used
     meanwhile (the machine's busy CPU time less this run's, over its wall time)."""
     python = sys.executable if library == "selfcest" else str(REPO / ".venv-trl/bin/python")
@@ -365,7 +374,27 @@ def run_worker(library: str, folder: Path, model: str, beta: float, steps: int, 
     return json.loads(result.read_text()), other
 
 
-def summary(runs: list[list[dict[str, float]]]) -> dict[str, float]:
+def weights_digest(model) -> str:
+    """A digest of the bytes of every tensor in ``model``'s state dict: equal after a step
+    in two runs exactly when they trained bitwise the same weights (up to a hash collision)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy())
+    return digest.hexdigest()
+
+
+def first_drift(runs: list[list[Step]]) -> tuple[int, int] | None:
+    """The first (run, step), counted from 0, after which a run's weights differ from the
+    first run's; None when every run trained bitwise the same weights at every step."""
+    for run, steps in enumerate(runs[1:], start=1):
+        for step, (theirs, ours) in enumerate(zip(runs[0], steps)):
+            if theirs["weights"] != ours["weights"]:
+                return run, step
+    return None
+
+
+def summary(runs: list[list[Step]]) -> dict[str, float]:
     """Median over runs of each run's median step (first step left out), per phase; the
     mean reward of the first and the last step, over runs; the mean completion length."""
     measured = [steps[1:] or steps for steps in runs]
@@ -399,8 +428,20 @@ def print_tables(results: dict[tuple[str, float], dict[str, dict[str, float]]]) 
           "reported (forward: the loss's forward pass; optimizer: clip, step, zero grad); -: not reported")
 
 
+def print_repeats(all_runs: dict[str, dict[str, list[list[Step]]]]) -> None:
+    """Whether each library's runs of one model and beta, all with one seed, trained bitwise
+    the same weights at every step; where not, the first run and step that differ."""
+    print("\nrepeats: each library's runs (one seed) compared by their weights after every step, bitwise")
+    for setting, by_library in all_runs.items():
+        for library, runs in by_library.items():
+            drift = first_drift(runs)
+            verdict = ("alike at every step" if drift is None
+                       else f"run {drift[0] + 1}'s weights differ from run 1's after step {drift[1] + 1}")
+            print(f"{setting:16s} {'TRL' if library == 'trl' else library:9s} {len(runs)} run(s): {verdict}")
+
+
 def kept_run(library: str, folder: Path, model: str, beta: float, pair: int,
-             args: argparse.Namespace) -> tuple[list[dict[str, float]], int]:
+             args: argparse.Namespace) -> tuple[list[Step], int]:
     """A run that did not overlap other load, after waiting for a quiet machine before each
     attempt; its steps, and how many attempts were discarded before it."""
     for attempt in range(args.retries + 1):
@@ -436,6 +477,7 @@ def benchmark(args: argparse.Namespace) -> None:
     print(f"{kept} runs kept, {discarded} discarded for overlapping other load "
           f"(> {args.max_other_load} cores); {args.steps} steps a run, {args.threads} thread(s)")
     print_tables(results)
+    print_repeats(all_runs)
 
 
 def main() -> None:

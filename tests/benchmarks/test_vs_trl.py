@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import torch
 from helpers import REPO, commands, load_module, readme_blocks, shell
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,6 +70,38 @@ def test_workload_folder_feeds_selfcest_the_prompts_and_tokens_trl_reads(tmp_pat
         trainer.close()
 
 
+def test_weights_digest_sees_one_ulp_in_any_tensor():
+    """Two models initialised alike digest alike; one weight moved by one ulp, in the first
+    tensor, the last layer or the final norm, changes the digest."""
+    build = lambda: vs_trl.random_qwen2("small", 64, pad_token_id=0, eos_token_id=1)  # noqa: E731
+    model, twin = build(), build()
+    digest = vs_trl.weights_digest(model)
+    assert len(digest) == 32 and vs_trl.weights_digest(twin) == digest
+    inner = model.model  # the output layer is the embedding, tied
+    for tensor in (inner.embed_tokens.weight, inner.layers[-1].mlp.down_proj.weight, inner.norm.weight):
+        with torch.no_grad():
+            flat = tensor.view(-1)
+            kept = flat[-1].clone()
+            flat[-1] = torch.nextafter(kept, kept + 1)
+            assert vs_trl.weights_digest(model) != digest
+            flat[-1] = kept
+        assert vs_trl.weights_digest(model) == digest
+
+
+def test_first_drift_names_the_first_run_and_step_whose_weights_differ():
+    alike = [[{"weights": w} for w in "abc"] for _ in range(3)]
+    assert vs_trl.first_drift(alike) is None and vs_trl.first_drift(alike[:1]) is None
+    late = [list(run) for run in alike]
+    late[2][1] = {"weights": "x"}
+    assert vs_trl.first_drift(late) == (2, 1)
+    early = [list(run) for run in late]
+    early[1][2] = {"weights": "y"}
+    assert vs_trl.first_drift(early) == (1, 2)
+    first = [list(run) for run in alike]
+    first[1][0] = {"weights": "z"}
+    assert vs_trl.first_drift(first) == (1, 0)
+
+
 @pytest.mark.trl
 def test_benchmark_prints_the_ratio_rows_at_its_shortest(tmp_path):
     """One pair of runs of two steps on the small model, both betas; load is not what this
@@ -88,3 +121,13 @@ def test_benchmark_prints_the_ratio_rows_at_its_shortest(tmp_path):
     assert "4 runs kept, 0 discarded" in done.stdout
     configs = [json.loads(path.read_text()) for path in (tmp_path / "runs").glob("selfcest-*/config.json")]
     assert len(configs) == 2 and all(c["trainer"]["share_prompt_forward"] is False for c in configs)
+    # Each library's runs are compared by the weights after every step.
+    for beta in ("0.0", "0.04"):
+        for library in ("TRL", "selfcest"):
+            assert re.search(rf"^small beta={beta}\s+{library}\s+1 run\(s\): alike at every step$", done.stdout,
+                             re.MULTILINE), done.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    runs = [[step["weights"] for step in run] for by_library in results.values() for library_runs in by_library.values()
+            for run in library_runs]
+    assert len(runs) == 4 and all(re.fullmatch(r"[0-9a-f]{32}", d) for run in runs for d in run)
+    assert all(len(run) == len(set(run)) == 2 for run in runs)  # every step moved the weights
