@@ -379,6 +379,17 @@ def left_pad(values: torch.Tensor, positions: int) -> torch.Tensor:
     return torch.nn.functional.pad(values, (positions, 0)) if positions else values
 
 
+def set_activation_checkpointing(model, enabled: bool = True) -> None:
+    """Turn on (or off) ``model``'s recomputing of each layer's activations in the backward:
+    transformers' ``activation_checkpointing_enable`` / ``_disable``, or, in releases before
+    them, the ``gradient_checkpointing_`` methods (deprecated since, to go in v6). Both set the
+    ``gradient_checkpointing`` flag of the layers, which `shareable_prefix` reads."""
+    action = "enable" if enabled else "disable"
+    switch = (getattr(model, f"activation_checkpointing_{action}", None)
+              or getattr(model, f"gradient_checkpointing_{action}"))
+    switch()
+
+
 def takes_logits_to_keep(model) -> bool:
     """Whether the transformers model inside ``model`` (a DDP or peft wrapper's too) can leave
     out leading positions' logits."""

@@ -16,6 +16,7 @@ from selfcest.policy import (
     apply_lora,
     build_tokenizer,
     forward_logprobs,
+    set_activation_checkpointing,
     takes_logits_to_keep,
 )
 from selfcest.protocol import TokenProtocol, ToolCallProtocol
@@ -249,13 +250,13 @@ def test_a_shared_prompt_is_not_shared_where_the_cache_would_be_lost(tiny_policy
     model = copy.deepcopy(tiny_policy.model).train()
     ids, mask = grouped_rows(100)
     plain_logp, _, _ = logprobs_and_gradients(model, ids, mask)
-    model.gradient_checkpointing_enable()
+    set_activation_checkpointing(model)
     rows_seen = []
     hook = model.register_forward_pre_hook(lambda _, args, kwargs: rows_seen.append(len(kwargs["input_ids"])),
                                            with_kwargs=True)
     logp, _, _ = logprobs_and_gradients(model, ids, mask, share_prefix=True)
     assert torch.allclose(logp, plain_logp, atol=1e-5)
-    model.gradient_checkpointing_disable()
+    set_activation_checkpointing(model, enabled=False)
     logprobs_and_gradients(model, ids[:3], mask[:3], share_prefix=True)
     hook.remove()
     assert rows_seen == [9, 3]

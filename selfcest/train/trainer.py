@@ -41,7 +41,8 @@ from selfcest.algo.advantages import compute_advantages
 from selfcest.algo.credit import CREDIT
 from selfcest.algo.losses import combine_stats, per_token_loss, token_entropy
 from selfcest.configure import ConfigError
-from selfcest.policy import ClonePolicy, forward_logprobs, left_pad, supports_packing
+from selfcest.policy import (ClonePolicy, forward_logprobs, left_pad, set_activation_checkpointing,
+                             supports_packing)
 from selfcest.rewards.base import RewardFn, progress_summary, score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.hf import HFBackend
@@ -128,7 +129,7 @@ class GRPOTrainer:
             self.placement = Placement.of(acc.process_index, acc.num_processes)
         model = policy.model
         if config.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            set_activation_checkpointing(model)
         if trainer.packing and not supports_packing(model):
             raise ConfigError(
                 "trainer.packing: this model lets packed samples attend to each other (its "
