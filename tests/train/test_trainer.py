@@ -25,11 +25,11 @@ from selfcest.rewards.base import RewardResult, progress_summary, score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.task import Task
+from selfcest.train import trainer as trainer_module
 from selfcest.train.batching import samples_from_trees
 from selfcest.train.config import TrainConfig
 from selfcest.train.logging import PhaseTimer, read_metrics
 from selfcest.train.setup import build_policy, build_trainer
-from selfcest.train import trainer as trainer_module
 from selfcest.train.trainer import GRPOTrainer
 
 DIGIT_REWARD = textwrap.dedent(

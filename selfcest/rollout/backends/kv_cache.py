@@ -3,10 +3,10 @@
 transformers' `DynamicLayer` appends a step's keys and values by concatenating them to all
 that is cached, so every decode step copies the whole cache in every layer, and the copying
 grows with the context. A `ReservedLayer` allocates its buffers ahead (the HF backend: for
-its prompts and up to 256 new positions, doubled whenever outgrown), writes new positions
-in place and hands attention views of the filled positions: the same values in the same
-order along the sequence, so the model computes bitwise what it computes with
-`DynamicLayer` (tests/rollout/backends/test_kv_cache.py). A decode of 32 rows takes
+its prompts and up to `hf.RESERVED_AHEAD` new positions, doubled whenever outgrown),
+writes new positions in place and hands attention views of the filled positions: the same
+values in the same order along the sequence, so the model computes bitwise what it
+computes with `DynamicLayer` (tests/rollout/backends/test_kv_cache.py). A decode of 32 rows takes
 0.87-0.91x the time at contexts of 352-544 tokens, 0.99x at 90
 (`benchmarks/decode_cache.py`, docs/performance.md).
 
