@@ -115,6 +115,16 @@ class Node:
     def text(self) -> str:
         return "".join(s.text for s in self.segments)
 
+    def first_turn_ids(self) -> list[int]:
+        """The tokens of the node's first turn (a prefill included): up to its first return
+        or notice."""
+        ids: list[int] = []
+        for segment in self.segments:
+            if segment.kind in ("return", "notice"):
+                break
+            ids += segment.token_ids
+        return ids
+
     def last_turn_text(self) -> str:
         """Sampled text after the last injected segment: the node's final turn."""
         last: list[str] = []
@@ -131,6 +141,9 @@ class TreeCosts:
     root_generated_tokens: int
     clone_generated_tokens: int
     context_tokens: int  # sum over nodes of their final context length (prompt + segments)
+    # context_tokens less the root's prompt: what the tree cost beyond reading its task (every
+    # clone's prompt, every node's generated tokens and every injected return and notice).
+    processed_tokens: int
     critical_path_tokens: int  # sequential latency proxy, see `CloneTree.critical_path`
     clones: int
     depth: int  # deepest clone level reached (0: no clone)
@@ -201,6 +214,7 @@ class CloneTree:
             root_generated_tokens=root.generated_tokens,
             clone_generated_tokens=generated - root.generated_tokens,
             context_tokens=sum(n.context_length for n in nodes),
+            processed_tokens=sum(n.context_length for n in nodes) - len(root.prompt_ids),
             critical_path_tokens=self.critical_path(),
             clones=len(nodes) - 1,
             depth=max(n.depth for n in nodes),

@@ -40,6 +40,7 @@ def test_costs_are_hand_computed():
     assert costs.clones == 4 and costs.depth == 2
     # contexts: root 10+5+4+2+3+1=25, 0.0: 6+7+2=15, 0.0.0: 3+4=7, 0.1: 5+3=8, 0.2: 5+6=11
     assert costs.context_tokens == 25 + 15 + 7 + 8 + 11
+    assert costs.processed_tokens == 25 + 15 + 7 + 8 + 11 - 10  # less the root's prompt
     assert costs.peak_context == 25
     assert costs.spawn_errors == 1
 

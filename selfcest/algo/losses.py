@@ -8,7 +8,10 @@ having no logprob.
 
 The loss of one token is::
 
-    loss = w_is * pg + kl_coef * kl(logp, ref) - entropy_coef * H
+    loss = w_is * pg + kl_coef * kl(logp, ref) - entropy_coef * H - decision_entropy_coef * H_d
+
+with ``H_d`` nonzero only on a root's first sampled token, the decision whether to delegate
+(`token_choice_entropy`).
 
 with ``pg`` the PPO-clip term (`per_token_loss`), ``w_is`` an optional truncated
 importance weight and ``kl`` the k3 (or k2) estimator (`kl_penalty`). How token losses are
@@ -64,6 +67,11 @@ class LossConfig:
         "per-token KL estimates are clamped to [-kl_clamp, kl_clamp] (the reference's 10), which "
         "also stops the gradient of tokens whose estimate exceeds it"))
     entropy_coef: float = setting(0.0, help="weight of the entropy bonus; 0 turns it off")
+    decision_entropy_coef: float = setting(0.0, help=(
+        "weight of a bonus on the binary entropy of the root's first token being the spawn-open "
+        "token (the decision to delegate), so groups keep holding both styles until the reward "
+        "gap between them is clear: at equilibrium logit P(delegate) = gap / coef, in reward "
+        "units (docs/controller.md); 0 turns it off"))
     aggregation: Aggregation = setting(Aggregation.tree_mean, help=(
         "how token losses are averaged over a step: tree_mean (every tree weighs the same), "
         "token_mean or seq_mean_token_mean (a tree with 8 clones outweighs one without 9:1); "
@@ -77,7 +85,7 @@ class LossConfig:
 
     def check(self) -> None:
         for name in ("clip_low", "clip_high", "kl_coef", "kl_clamp", "entropy_coef",
-                     "max_importance_ratio"):
+                     "decision_entropy_coef", "max_importance_ratio"):
             value = getattr(self, name)
             require(is_number(value) and math.isfinite(value) and value >= 0, name,
                     f"must be a finite number >= 0; got {value!r}")
@@ -102,6 +110,7 @@ def per_token_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     behaviour_logprobs: torch.Tensor | None = None,
+    decision_entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of every token, 0 where ``mask`` is 0, and statistics of this micro-batch.
 
@@ -115,7 +124,9 @@ def per_token_loss(
     when ``old_logprobs`` were recomputed under newer weights (decoupled PPO): ``pg`` is then
     multiplied by the constant ``min(exp(old - behaviour), max_importance_ratio)``.
     The KL term needs ``ref_logprobs`` when ``kl_coef > 0``; the entropy bonus needs
-    ``entropy`` (per token, e.g. `token_entropy`) when ``entropy_coef > 0``.
+    ``entropy`` (per token, e.g. `token_entropy`) when ``entropy_coef > 0``; the decision bonus
+    needs ``decision_entropy`` (`token_choice_entropy`, zero off the decision tokens) when
+    ``decision_entropy_coef > 0``.
 
     Statistics are means over this micro-batch's masked tokens (``tokens`` is their count;
     merge micro-batches with `combine_stats`): ``clip_frac_low`` / ``clip_frac_high`` (share
@@ -163,6 +174,10 @@ def per_token_loss(
             raise ValueError("loss.entropy_coef > 0 needs the per-token entropy")
         entropy = masked(entropy)
         loss = loss - config.entropy_coef * entropy
+    if config.decision_entropy_coef > 0:
+        if decision_entropy is None:
+            raise ValueError("loss.decision_entropy_coef > 0 needs the decision entropy")
+        loss = loss - config.decision_entropy_coef * masked(decision_entropy)
     loss = masked(loss)
 
     with torch.no_grad():
@@ -237,6 +252,20 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(shifted, dim=-1)
     entropy = torch.logsumexp(shifted, dim=-1) - (probs * shifted).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))
+
+
+def token_choice_entropy(logits: torch.Tensor, token_id: int, where: torch.Tensor) -> torch.Tensor:
+    """Input-aligned binary entropy ``[batch, T]`` of drawing ``token_id`` or any other token,
+    at the positions ``where`` is true (0 elsewhere): position t holds ``H(p)`` with
+    ``p = softmax(logits[:, t-1])[token_id]``. Its gradient moves only that token's
+    probability against the rest, which keeps a two-way choice open without flattening the
+    rest of the distribution as `token_entropy` would."""
+    shifted = logits[:, :-1].float()
+    log_p = shifted[..., token_id] - torch.logsumexp(shifted, dim=-1)
+    # log(1 - p) = log(-expm1(log p)), accurate when p is near 1; the clamp keeps it finite.
+    log_rest = torch.log(-torch.expm1(log_p.clamp(max=-1e-7)))
+    entropy = -(log_p.exp() * log_p + (-torch.expm1(log_p)) * log_rest)
+    return torch.where(where.bool(), torch.nn.functional.pad(entropy, (1, 0)), 0.0)
 
 
 def aggregation_weights(

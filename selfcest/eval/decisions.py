@@ -59,24 +59,19 @@ def decision_of(tree: CloneTree, task: Task, mode: Mode, spawn_open_id: int) -> 
     spawn call, closed or not (a call cut off by the budget was still the choice to
     delegate); its branching is the clones its first call started."""
     root, costs = tree.root, tree.costs()
-    first_turn = []
-    for segment in root.segments:
-        if segment.kind in ("return", "notice"):
-            break
-        first_turn += segment.token_ids
     return Decision(
         task_id=task.id, size=len(task.context), mode=str(mode), reward=float(tree.reward),
-        correct=bool(tree.correct), delegated=spawn_open_id in first_turn,
+        correct=bool(tree.correct), delegated=spawn_open_id in root.first_turn_ids(),
         clones=len(root.spawns[0].child_ids) if root.spawns else 0,
         generated_tokens=costs.generated_tokens, critical_path_tokens=costs.critical_path_tokens,
     )
 
 
-def sample_decisions(policy: ClonePolicy, tasks: Sequence[Task], mode: Mode, budget: Budget,
-                     sampling: SamplingParams, reward_fn: RewardFn, samples: int = 1,
-                     seed: int = 0, backend: Backend | None = None) -> list[Decision]:
-    """``samples`` trees per task in ``mode``, scored by ``reward_fn`` (``backend``: the
-    policy's own unless given)."""
+def sample_trees(policy: ClonePolicy, tasks: Sequence[Task], mode: Mode, budget: Budget,
+                 sampling: SamplingParams, samples: int = 1, seed: int = 0,
+                 backend: Backend | None = None) -> list[CloneTree]:
+    """``samples`` unscored trees per task in ``mode`` (``backend``: the policy's own unless
+    given). Trees do not depend on the reward, so one sample serves every cost setting."""
     prefill: list[int] = []
     if mode == Mode.DIRECT:  # no call can be opened, and none would be served
         budget = replace(budget, max_depth=0)
@@ -84,9 +79,22 @@ def sample_decisions(policy: ClonePolicy, tasks: Sequence[Task], mode: Mode, bud
     elif mode == Mode.DELEGATE:
         prefill = [policy.protocol.spawn_open_id]
     engine = policy.engine(budget, sampling, seed=seed, backend=backend, root_prefill=prefill)
-    trees = engine.rollout(tasks, samples_per_task=samples)
+    return engine.rollout(tasks, samples_per_task=samples)
+
+
+def score_decisions(trees: Sequence[CloneTree], tasks: Sequence[Task], mode: Mode, reward_fn: RewardFn,
+                    spawn_open_id: int) -> list[Decision]:
+    """The `Decision` rows of ``trees`` (of ``tasks``, in ``mode``), scored by ``reward_fn``."""
     score_trees(trees, tasks, reward_fn)
-    return [decision_of(tree, tasks[tree.task_index], mode, policy.protocol.spawn_open_id) for tree in trees]
+    return [decision_of(tree, tasks[tree.task_index], mode, spawn_open_id) for tree in trees]
+
+
+def sample_decisions(policy: ClonePolicy, tasks: Sequence[Task], mode: Mode, budget: Budget,
+                     sampling: SamplingParams, reward_fn: RewardFn, samples: int = 1,
+                     seed: int = 0, backend: Backend | None = None) -> list[Decision]:
+    """``samples`` trees per task in ``mode``, scored by ``reward_fn``."""
+    trees = sample_trees(policy, tasks, mode, budget, sampling, samples, seed, backend)
+    return score_decisions(trees, tasks, mode, reward_fn, policy.protocol.spawn_open_id)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ wording and layout are the template ``selfcest/templates/controller_report.md.j2
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -42,6 +43,26 @@ def plot_by_size(series: dict[str, list[tuple[int, dict | None]]], ylabel: str, 
     return path
 
 
+def plot_training_rates(rates: dict, path: Path, window: int = 5) -> Path:
+    """P(the root delegates) per size over training steps, a running mean over ``window``
+    steps of the steps that drew that size (PNG)."""
+    figure = Figure(figsize=(6, 3.6))
+    axis = figure.subplots()
+    for size, series in rates.items():
+        points = [(step, rate) for step, rate in enumerate(series, 1) if rate is not None]
+        smooth = [statistics.fmean(r for _, r in points[max(0, i - window + 1): i + 1]) for i in range(len(points))]
+        axis.plot([step for step, _ in points], smooth, label=f"{size} keys")
+    axis.set_xlabel("training step")
+    axis.set_ylabel(f"P(root delegates), mean of {window}")
+    axis.set_ylim(-0.05, 1.05)
+    axis.grid(alpha=0.3)
+    if rates:
+        axis.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return path
+
+
 def size_series(summary: dict, field: str) -> dict[str, list[tuple[int, dict | None]]]:
     """``field`` of every per-size row, one series per policy of the summary."""
     return {name: [(row["size"], row[field]) for row in rows] for name, rows in summary["per_size"].items()}
@@ -55,6 +76,7 @@ def write_controller_report(out: Path, config: TrainConfig, summary: dict, histo
         "branching": plot_by_size(size_series(summary, "branching"), "clones of the first call",
                                   out / "branching.png").name,
         "curve": training_curves({"RL": history}, out / "training_curve.png").name,
+        "training_rate": plot_training_rates(summary["training_rate"], out / "training_rate.png").name,
     }
     text = _ENVIRONMENT.get_template("controller_report.md.j2").render(
         config=config, summary=summary, plots=plots)

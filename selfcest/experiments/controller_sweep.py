@@ -4,6 +4,7 @@
 
     python -m selfcest.experiments.controller_sweep                       # configs/controller_sweep.yaml
     python -m selfcest.experiments.controller_sweep seeds=[0] 'overrides=[trainer.steps=8]'
+    python -m selfcest.experiments.controller_sweep --config-name controller_main   # make run's section
 
 Each run is `selfcest.experiments.controller.run` with ``experiment=<setting>
 trainer.seed=<seed> algo.credit.strategy=<credit>`` and the sweep's ``overrides``, written to
@@ -12,7 +13,9 @@ credit, so the runs of one seed share one warm start (the first run of the seed 
 the others load it). A run whose ``results.json`` exists is not run again, and a warm
 start already saved in the first run's folder is not trained again: an interrupted sweep
 resumes where it stopped. ``summary.md`` (with ``delegation_rate.png`` and
-``branching.png``) tabulates every run found, whether or not all of them are done yet.
+``branching.png``) tabulates every run found, whether or not all of them are done yet, and
+``results_file`` lists each run's `selfcest.experiments.controller.record` (the README's
+figures are read from the committed ``docs/results/controller_sweep.json``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class SweepConfig:
     """Which controller runs the sweep makes."""
 
     experiments: list[str] = setting(help="cost settings (configs/experiment/<name>.yaml), each with the default credit",
-                                     factory=lambda: ["controller_free", "controller", "controller_latency"])
+                                     factory=lambda: ["controller_free", "controller_low", "controller",
+                                                      "controller_latency"])
     credit_experiment: str = setting("controller", help="the setting the credit strategies are compared on")
     credits: list[str] = setting(help="credit strategies compared on credit_experiment (the first is the default credit)",
                                  factory=lambda: ["broadcast", "ratio", "sibling", "counterfactual"])
@@ -45,6 +49,9 @@ class SweepConfig:
                                factory=lambda: [0, 1, 2])
     overrides: list[str] = setting(help="key=value overrides applied to every run", factory=list)
     output_dir: str = setting("runs/controller_sweep", help="where runs and summary.md go")
+    results_file: str | None = setting(None, help=(
+        "where to write the list of every finished run's record as JSON (null: "
+        "<output_dir>/controller_sweep.json)"))
 
     def check(self) -> None:
         require(bool(self.experiments) and bool(self.credits) and bool(self.seeds), "experiments",
@@ -117,12 +124,41 @@ def write_summary(out: Path, config: SweepConfig) -> Path:
     if results:
         plots = {"rate": plot_by_size(rate, "P(root delegates)", out / "delegation_rate.png").name,
                  "branching": plot_by_size(branching, "clones of the first call", out / "branching.png").name}
+    records = [run["record"] for runs in results.values() for run in runs if "record" in run]
+    records_file = Path(config.results_file or out / "controller_sweep.json")
+    records_file.parent.mkdir(parents=True, exist_ok=True)
+    records_file.write_text(json.dumps(records, indent=1) + "\n")
     text = environment(html=False).get_template("controller_sweep.md.j2").render(
         config=config, results=results, rate=rate, branching=branching, plots=plots,
-        fmean=statistics.fmean)
+        fmean=statistics.fmean, settings=setting_rows(records))
     path = out / "summary.md"
     path.write_text(text)
     return path
+
+
+def setting_rows(records: list[dict]) -> list[dict]:
+    """One row per (setting, credit): the seeds' boundaries, and the delegation rate and
+    clones per call of RL at each size, averaged over seeds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["name"], r["credit"]), []).append(r)
+    rows = []
+    for (name, credit), runs in groups.items():
+        sizes = runs[0]["sizes"]
+
+        def mean_at(field: str, policy: str, i: int) -> float | None:
+            values = [r[field][policy][i] for r in runs if r[field][policy][i] is not None]
+            return statistics.fmean(values) if values else None
+
+        rows.append({
+            "name": name, "credit": credit, "cost": runs[0]["cost"], "lambda": runs[0]["lambda"],
+            "seeds": [r["seed"] for r in runs], "sizes": sizes,
+            "boundaries": [r["boundary"]["RL"] for r in runs],
+            "p_delegate": [mean_at("p_delegate", "RL", i) for i in range(len(sizes))],
+            "clones": [mean_at("clones_per_call", "RL", i) for i in range(len(sizes))],
+            "oracles": [r["oracle_rl"] for r in runs],
+        })
+    return rows
 
 
 def main() -> None:

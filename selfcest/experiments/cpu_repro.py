@@ -200,10 +200,11 @@ def timed(timings: dict[str, float], phase: str, log=say):
     log(f"{phase} done in {timings[phase]:.0f}s")
 
 
-def warm_start_folder(config: TrainConfig, folder: Path, log=say) -> Path:
-    """The warm-start policy saved in ``folder``: trained by SFT from a fresh model, copied
-    from ``warm_start.policy`` when that names an earlier one (with its ``sft.jsonl``), or,
-    under ``trainer.resume=true``, the one an earlier run finished in ``folder``."""
+def warm_start_folder(config: TrainConfig, folder: Path, log=say, score=None) -> Path:
+    """The warm-start policy saved in ``folder``: trained by SFT from a fresh model (validated
+    by ``score`` if given, `selfcest.train.sft.train_sft`), copied from ``warm_start.policy``
+    when that names an earlier one (with its ``sft.jsonl``), or, under
+    ``trainer.resume=true``, the one an earlier run finished in ``folder``."""
     warm_started = config.warm_start.policy
     if warm_started is None and resuming(config) and (folder / "sft.jsonl").exists():  # written last
         log(f"reusing the warm start in {folder}")
@@ -212,10 +213,12 @@ def warm_start_folder(config: TrainConfig, folder: Path, log=say) -> Path:
         steps = config.warm_start.sft.steps
 
         def progress(step: int, metrics: dict) -> None:
-            if step % max(1, steps // 10) == 0 or step == steps:
+            if "sft/validation" in metrics:
+                log(f"warm start: SFT step {step}/{steps}, validation {metrics['sft/validation']:.3f}")
+            elif step % max(1, steps // 10) == 0 or step == steps:
                 log(f"warm start: SFT step {step}/{steps}, loss {metrics['sft/loss']:.3f}")
 
-        history = warm_start(policy, config, held_out_tasks(config), log=progress)
+        history = warm_start(policy, config, held_out_tasks(config), log=progress, score=score)
         policy.save_pretrained(folder)
         with open(folder / "sft.jsonl", "w") as sft_log:
             sft_log.writelines(json.dumps({"step": n, **m}) + "\n" for n, m in enumerate(history, 1))

@@ -14,7 +14,9 @@ field is None or 0):
   Reference: T=512, ramp=512, M=0.2 (a 1024-token clone costs 0.126).
 - ``spawn_calls``: ``min(cap, per_call * max(0, calls - free_calls))`` for the root's spawn
   calls (reference: ``max(0, 0.1 * calls - 0.2)``, uncapped).
-- ``per_token * generated tokens of the whole tree``, ``per_critical_path_token *
+- ``per_token * generated tokens of the whole tree``, ``per_processed_token * processed
+  tokens`` (`TreeCosts.processed_tokens`: everything the tree held in context beyond the root's
+  prompt, so clones' prompts, generations and returns all count), ``per_critical_path_token *
   critical-path tokens`` (`CloneTree.critical_path`: own tokens plus, per wave, the longest
   child's critical path) and ``per_clone * number of clones``: direct linear costs, which the
   reference lacks (it never charges for the number of clones).
@@ -89,6 +91,8 @@ class CostConfig:
     spawn_calls: SpawnCallPenalty | None = SpawnCallPenalty()
     # Cost per generated token of the whole tree (root and every clone).
     per_token: float = 0.0
+    # Cost per processed token: every token of every node's context but the root's prompt.
+    per_processed_token: float = 0.0
     # Cost per critical-path token (the sequential latency proxy).
     per_critical_path_token: float = 0.0
     # Cost per clone started.
@@ -152,10 +156,12 @@ def cost_terms(tree: CloneTree, config: CostConfig) -> dict[str, float]:
     if config.spawn_calls is not None:
         terms["cost/spawn_calls"] = config.spawn_calls(len(tree.root.spawns))
     costs = None
-    if config.per_token or config.per_critical_path_token or config.per_clone:
+    if config.per_token or config.per_processed_token or config.per_critical_path_token or config.per_clone:
         costs = tree.costs()
     if config.per_token:
         terms["cost/tokens"] = config.per_token * costs.generated_tokens
+    if config.per_processed_token:
+        terms["cost/processed_tokens"] = config.per_processed_token * costs.processed_tokens
     if config.per_critical_path_token:
         terms["cost/critical_path"] = config.per_critical_path_token * costs.critical_path_tokens
     if config.per_clone:

@@ -37,6 +37,8 @@ from selfcest.tasks.splits import TaskSplits, config_of, draw_distinct
 SOURCE = "keyed_sum"
 # A key must be referable as ``@KEY`` by the token protocol, so the prefix is a plain name.
 _PREFIX = re.compile(r"[A-Za-z_]+")
+# Letter keys in order; A is left out (it begins "Add" and "Answer"), and so are I, L and O.
+KEY_LETTERS = "BCDEFGHJKMNPQRSTUVWXYZ"
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,10 @@ class KeyedSumConfig:
     max_value: int = 9  # largest number (inclusive); 99 gives two-digit numbers
     inline: bool = False  # print the lists in the root prompt instead of keys only
     key_prefix: str = "L"  # keys are f"{key_prefix}{i}", i = 1..num_keys
+    # Keys are single letters instead (B, C, D, ...: `KEY_LETTERS`). A tiny tokenizer splits
+    # "L2" into "L" and "2", and the "2" also stands for a value: finding list L2 in a prompt
+    # full of digits is then a two-token match a 2-layer model learns late, if at all.
+    letter_keys: bool = False
     # Answer the total modulo this (0: the plain total). With 10, every partial result is
     # one digit, so each step of a running sum is the same small operation at every level.
     modulus: int = 0
@@ -58,6 +64,8 @@ class KeyedSumConfig:
             raise ValueError("num_keys and list_len must be at least 1")
         if self.modulus < 0:
             raise ValueError(f"modulus must be >= 0 (0: no modulus), got {self.modulus}")
+        if self.letter_keys and self.num_keys > len(KEY_LETTERS):
+            raise ValueError(f"letter_keys allows at most {len(KEY_LETTERS)} keys, got {self.num_keys}")
         if self.min_value > self.max_value:
             raise ValueError(f"min_value {self.min_value} > max_value {self.max_value}")
         if not _PREFIX.fullmatch(self.key_prefix):
@@ -67,6 +75,8 @@ class KeyedSumConfig:
             )
 
     def keys(self) -> list[str]:
+        if self.letter_keys:
+            return list(KEY_LETTERS[: self.num_keys])
         return [f"{self.key_prefix}{i}" for i in range(1, self.num_keys + 1)]
 
     def space_size(self) -> int:

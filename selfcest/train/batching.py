@@ -43,6 +43,9 @@ class TrainingSample:
     node_id: str
     # Weight version the tokens were sampled under (None if the backend does not track it).
     weight_version: int | None
+    # Index in input_ids of the root's decision whether to delegate: its first token, when
+    # the root sampled it (None for clones, and for a root whose turn began prefilled).
+    decision_at: int | None = None
 
     def __post_init__(self) -> None:
         if not len(self.input_ids) == len(self.loss_mask) == len(self.old_logprobs):
@@ -99,9 +102,11 @@ def samples_from_trees(trees: Sequence[CloneTree], advantages: Advantages) -> li
                     loss_mask.extend([0] * len(segment.token_ids))
                     old_logprobs.extend([0.0] * len(segment.token_ids))
             version = tree.weight_version if node.weight_version is None else node.weight_version
+            first = len(node.prompt_ids)
+            decides = node.parent_id is None and first < len(input_ids) and loss_mask[first] == 1
             samples.append(
                 TrainingSample(input_ids, loss_mask, old_logprobs, credit[node.id], tree_id,
-                               node.id, version)
+                               node.id, version, first if decides else None)
             )
     return samples
 
@@ -321,6 +326,8 @@ class MicroBatch:
     token_weights: torch.Tensor
     # Where each sample lies, in input order: (row, first column, length).
     spans: list[tuple[int, int, int]]
+    # float; 1 on each root's decision token (`TrainingSample.decision_at`), 0 elsewhere.
+    decision_mask: torch.Tensor
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {name: value.to(device) if isinstance(value, torch.Tensor) else value
@@ -368,6 +375,7 @@ def collate(
     old_logprobs = torch.zeros(shape, dtype=torch.float32)
     advantages = torch.zeros(shape, dtype=torch.float32)
     token_weights = torch.zeros(shape, dtype=torch.float32)
+    decision_mask = torch.zeros(shape, dtype=torch.float32)
     spans: list[tuple[int, int, int]] = [(0, 0, 0)] * len(samples)
     for r, row in enumerate(rows):
         start = 0
@@ -381,8 +389,10 @@ def collate(
             old_logprobs[r, start:end] = torch.tensor(sample.old_logprobs, dtype=torch.float32)
             advantages[r, start:end] = sample.advantage
             token_weights[r, start:end] = loss_mask[r, start:end] * weights[k]
+            if sample.decision_at is not None:
+                decision_mask[r, start + sample.decision_at] = 1.0
             start = end
         # Padding counts from 0 as a sample of its own, so no real token attends to it.
         position_ids[r, start:] = torch.arange(width - start)
     return MicroBatch(input_ids, position_ids, None if pack_width is not None else attention_mask,
-                      loss_mask, old_logprobs, advantages, token_weights, spans)
+                      loss_mask, old_logprobs, advantages, token_weights, spans, decision_mask)

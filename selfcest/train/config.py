@@ -305,6 +305,10 @@ class WarmStartConfig:
         "budget the teacher's trees are built under (a cut demonstration is dropped); null: the "
         "rollout budget, so the warm start shows only what RL may do"))
     sft: SFTConfig = setting(help="supervised training settings", factory=SFTConfig)
+    validation_tasks: int = setting(0, help=(
+        "tasks per size of the warm-start source's test split (never demonstrated, never held "
+        "out for the experiment) that an experiment scores SFT checkpoints on every "
+        "sft.validate_every steps (0: no validation; selfcest.experiments.controller)"))
     policy: str | None = setting(None, help=(
         "a policy folder an earlier warm start saved (selfcest-sft's <output_dir>/sft) to "
         "start from instead of running this one"))
@@ -317,6 +321,7 @@ class WarmStartConfig:
             raise ConfigError(f"teacher_params: {error}") from None
         require(self.policy is None or Path(self.policy).is_dir(), "policy",
                 f"must be a saved policy folder; got {self.policy!r}")
+        require(self.validation_tasks >= 0, "validation_tasks", f"must be >= 0; got {self.validation_tasks}")
 
 
 @dataclass
@@ -372,6 +377,10 @@ class TrainConfig:
         require(not (strategy.needs_clones and self.model.protocol == ProtocolName.none), "algo.credit.strategy", (
             f"={self.algo.credit.strategy} needs clones, but model.protocol=none has no spawn "
             "calls; use algo.credit.strategy=broadcast, or model.protocol=token or tool"))
+        require(not (self.algo.loss.decision_entropy_coef > 0 and self.model.protocol == ProtocolName.none),
+                "algo.loss.decision_entropy_coef", (
+                    "> 0 keeps the choice to open a spawn call alive, but model.protocol=none has no "
+                    "spawn calls; set it to 0, or model.protocol=token or tool"))
 
 
 def validate(config: TrainConfig) -> None:

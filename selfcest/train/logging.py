@@ -33,6 +33,7 @@ def tree_metrics(tree: CloneTree) -> dict[str, float]:
         "cost/clone_generated_tokens": costs.clone_generated_tokens,
         "cost/critical_path_tokens": costs.critical_path_tokens,
         "cost/context_tokens": costs.context_tokens,
+        "cost/processed_tokens": costs.processed_tokens,
         "cost/peak_context": costs.peak_context,
         "cost/discarded_tokens": costs.discarded_tokens,
         "tree/clones": costs.clones,

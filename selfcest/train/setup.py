@@ -79,11 +79,13 @@ def warm_start(
     config: TrainConfig,
     exclude: Sequence[Task] = (),
     log: Callable[[int, dict[str, float]], None] | None = None,
+    score: Callable[[ClonePolicy], float] | None = None,
 ) -> list[dict[str, float]]:
     """Build the demonstrations the ``warm_start`` section describes (leaving out any task of
-    ``exclude``) and fit ``policy`` to them; returns per-step metrics."""
+    ``exclude``) and fit ``policy`` to them, validated by ``score`` if given (`train_sft`);
+    returns per-step metrics."""
     trees = warm_start_trees(config, policy.protocol, exclude)
-    return train_sft(policy, trees, config.warm_start.sft, log=log)
+    return train_sft(policy, trees, config.warm_start.sft, log=log, score=score)
 
 
 def warm_start_trees(config: TrainConfig, protocol: Protocol, exclude: Sequence[Task] = ()) -> list[CloneTree]:

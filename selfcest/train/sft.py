@@ -50,6 +50,12 @@ class SFTConfig:
         "times each node that spawned clones appears per epoch (1 = as often as any node): those "
         "nodes do the rarest job of a tree, adding their clones' answers"))
     seed: int = setting(0, help="seed of the sequence order")
+    validate_every: int = setting(0, help=(
+        "steps between validations when the caller gives a validation score (0: none): the "
+        "weights of the best-scoring validation are kept, and training stops once a score "
+        "reaches validation_target, so every machine ends at a checkpoint of similar skill "
+        "rather than wherever its float rounding led the last step"))
+    validation_target: float = setting(1.0, help="a validation score that ends training early (1.0: never ends early)")
 
     def __post_init__(self) -> None:
         self.check()
@@ -57,6 +63,7 @@ class SFTConfig:
     def check(self) -> None:
         for name in ("steps", "sequences_per_step", "tokens_per_micro_batch", "spawner_repeats"):
             require(getattr(self, name) >= 1, name, f"must be >= 1; got {getattr(self, name)}")
+        require(self.validate_every >= 0, "validate_every", f"must be >= 0; got {self.validate_every}")
         require(self.lr > 0, "lr", f"must be > 0; got {self.lr}")
         require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0; got {self.warmup_steps}")
         require(0 <= self.final_lr_fraction <= 1, "final_lr_fraction", f"must be in [0, 1]; got {self.final_lr_fraction}")
@@ -111,11 +118,16 @@ def train_sft(
     trees: Sequence[CloneTree],
     config: SFTConfig,
     log: Callable[[int, dict[str, float]], None] | None = None,
+    score: Callable[[ClonePolicy], float] | None = None,
 ) -> list[dict[str, float]]:
     """Fit ``policy`` to the demonstration ``trees``; returns per-step metrics.
 
     Each step's loss is the mean over the step's sampled tokens. ``log(step, metrics)`` is
-    called after each step when given. The model is left in eval mode.
+    called after each step when given. With ``score`` (higher is better) and
+    ``config.validate_every``, the policy is scored every that many steps and at the last
+    (``sft/validation`` in that step's metrics); it ends with the best-scoring weights, and
+    training stops at the first score that reaches ``config.validation_target``. The model
+    is left in eval mode.
     """
     samples = sft_samples(trees, config.spawner_repeats)
     if not samples:
@@ -130,6 +142,7 @@ def train_sft(
     rng = random.Random(config.seed)
     order: list[int] = []
     history = []
+    best: tuple[float, dict[str, torch.Tensor]] | None = None
     model.train()
     for step in range(config.steps):
         start = time.perf_counter()
@@ -154,7 +167,20 @@ def train_sft(
                    "sft/tokens": float(tokens), "sft/lr": scheduler.get_last_lr()[0],
                    "time/step": time.perf_counter() - start}
         history.append(metrics)
+        done = False
+        if score is not None and config.validate_every and (
+                (step + 1) % config.validate_every == 0 or step + 1 == config.steps):
+            model.eval()
+            metrics["sft/validation"] = value = float(score(policy))
+            model.train()
+            if best is None or value > best[0]:
+                best = (value, {k: v.detach().clone() for k, v in model.state_dict().items()})
+            done = value >= config.validation_target
         if log is not None:
             log(step + 1, metrics)
+        if done:
+            break
+    if best is not None:
+        model.load_state_dict(best[1])
     model.eval()
     return history

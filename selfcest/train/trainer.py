@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from selfcest.algo.advantages import compute_advantages
 from selfcest.algo.credit import CREDIT
-from selfcest.algo.losses import combine_stats, per_token_loss, token_entropy
+from selfcest.algo.losses import combine_stats, per_token_loss, token_choice_entropy, token_entropy
 from selfcest.configure import ConfigError
 from selfcest.policy import (ClonePolicy, forward_logprobs, left_pad, set_activation_checkpointing,
                              supports_packing)
@@ -282,6 +282,7 @@ class GRPOTrainer:
                                   self.backend.weight_version)
         timings["time/step"] = time.perf_counter() - start
         metrics.update(self._tree_metrics(trees))
+        metrics.update(self._decision_metrics(trees, by_id))
         metrics.update(timings)
         generated = sum_over_processes(self.accelerator, {"n": sum(t.costs().generated_tokens for t in trees)})["n"]
         metrics["throughput/rollout_tokens_per_s"] = generated / max(timings["time/rollout"], 1e-9)
@@ -394,23 +395,28 @@ class GRPOTrainer:
         for batch in micro:
             rows = [samples[i] for i in batch]
             mb = collate(rows, [0.0] * len(rows), self.policy.tokenizer.pad_token_id, width).to(self.accelerator.device)
-            logp, _ = self._logprobs(self.rollout_model, mb)
+            logp, _, _ = self._logprobs(self.rollout_model, mb)
             for i, values in zip(batch, mb.per_sample(logp)):
                 out[i] = values.float().cpu()
         return out
 
-    def _logprobs(self, model, mb, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logprobs(self, model, mb, entropy: bool = False, decision: bool = False):
         """Input-aligned logprobs of the sampling distribution (logits / temperature) from the
-        micro-batch's first sampled token on, and, if asked, the entropy of each position's
-        distribution."""
+        micro-batch's first sampled token on; if asked, the entropy of each position's
+        distribution, and the binary entropy of the spawn-open token on the roots' decision
+        tokens (`token_choice_entropy`); None for what was not asked."""
         first = mb.first_trained_position()
         logp, logits = forward_logprobs(model, mb.input_ids, mb.attention_mask,
                                         self.config.rollout.temperature or 1.0,
                                         position_ids=mb.position_ids, from_position=first,
                                         share_prefix=self.share_prompts)
-        if not entropy:
-            return logp, None
-        return logp, left_pad(token_entropy(logits), logp.shape[1] - logits.shape[1])
+        skipped = logp.shape[1] - logits.shape[1]  # the columns the logits start after
+        full = left_pad(token_entropy(logits), skipped) if entropy else None
+        choice = None
+        if decision:
+            choice = left_pad(token_choice_entropy(logits, self.policy.protocol.spawn_open_id,
+                                                   mb.decision_mask[:, skipped:]), skipped)
+        return logp, full, choice
 
     def _backward(self, batch: list[TrainingSample], weights: list[float], proximal,
                   width: int | None, timer: PhaseTimer) -> dict[str, float]:
@@ -427,13 +433,16 @@ class GRPOTrainer:
             with timer("reference"):
                 ref = self._reference_logprobs(mb)
         with timer("forward"):
-            logp, entropy = self._logprobs(self.model, mb, entropy=loss_config.entropy_coef > 0)
+            logp, entropy, decision = self._logprobs(self.model, mb, entropy=loss_config.entropy_coef > 0,
+                                                     decision=loss_config.decision_entropy_coef > 0)
             old, behaviour = mb.old_logprobs, None
             if proximal is not None:
                 old, behaviour = mb.place(proximal), mb.old_logprobs
             loss_per_token, stats = per_token_loss(logp, old, mb.advantages, mb.loss_mask, loss_config,
                                                    ref_logprobs=ref, entropy=entropy,
-                                                   behaviour_logprobs=behaviour)
+                                                   behaviour_logprobs=behaviour, decision_entropy=decision)
+            if decision is not None and mb.decision_mask.any():
+                stats["decision_entropy"] = float(decision.detach()[mb.decision_mask.bool()].mean())
         with timer("backward"):
             self.accelerator.backward((loss_per_token * mb.token_weights).sum())
         return stats
@@ -466,6 +475,23 @@ class GRPOTrainer:
         keys = sorted({key for row in everything for key in row})
         metrics = {key: statistics.fmean(r.get(key, 0.0) for r in everything) for key in keys}
         metrics["reward/std"] = statistics.pstdev(r["reward/mean"] for r in everything)
+        return metrics
+
+    def _decision_metrics(self, trees: Sequence[CloneTree], tasks: dict[str, Task]) -> dict[str, float]:
+        """How often the roots' first turn opens a spawn call, over every process's trees:
+        ``decision/p_delegate``, and per task size (its number of context keys)
+        ``decision/p_delegate/size_<k>``, so a run shows its decision being learned size by
+        size. Empty for a protocol without spawn calls."""
+        protocol = self.policy.protocol
+        if not protocol.has_spawn_calls:
+            return {}
+        mine = [(len(tasks[t.task_id].context), protocol.spawn_open_id in t.root.first_turn_ids()) for t in trees]
+        rows = [row for part in gather(self.accelerator, mine) for row in part]
+        if not rows:
+            return {}
+        metrics = {"decision/p_delegate": statistics.fmean(d for _, d in rows)}
+        for size in sorted({size for size, _ in rows}):
+            metrics[f"decision/p_delegate/size_{size}"] = statistics.fmean(d for k, d in rows if k == size)
         return metrics
 
     def _log(self, metrics: dict[str, float], trees: Sequence[CloneTree]) -> None:

@@ -16,7 +16,9 @@ from selfcest.experiments.controller_sweep import SweepConfig, sweep, write_summ
 from selfcest.experiments.cpu_repro import compose
 from selfcest.train.config import load_split
 
-SETTINGS = ("controller", "controller_free", "controller_latency", "controller_quick")
+SETTINGS = {  # (per processed token, per critical-path token)
+    "controller": (0.002, 0.0), "controller_free": (0.0, 0.0), "controller_low": (0.001, 0.0),
+    "controller_latency": (0.0, 0.005), "controller_quick": (0.002, 0.0)}
 
 
 @pytest.mark.parametrize("name", SETTINGS)
@@ -27,15 +29,14 @@ def test_every_setting_composes_and_differs_only_in_its_cost(name):
         assert config.warm_start == base.warm_start  # one warm start serves every setting of a seed
         assert replace(config.trainer, output_dir="") == replace(base.trainer, output_dir="")
     cost = config.task.reward_params["cost"]
-    assert {"controller": (0.002, 0.0), "controller_free": (0.0, 0.0),
-            "controller_latency": (0.0, 0.002), "controller_quick": (0.002, 0.0)}[name] == \
-        (cost["per_token"], cost.get("per_critical_path_token", 0.0))
+    assert SETTINGS[name] == (cost["per_processed_token"], cost.get("per_critical_path_token", 0.0))
+    assert cost.get("per_token", 0.0) == 0.0  # clones' prompts and returns cost as much as generations
 
 
 def test_held_out_tasks_come_per_size_and_never_from_training():
     config = compose("controller_quick", ["eval.tasks_per_split=5"])
     tasks = held_out_by_size(config)
-    assert Counter(len(t.context) for t in tasks) == {2: 5, 4: 5, 6: 5, 10: 5}
+    assert Counter(len(t.context) for t in tasks) == {2: 5, 5: 5, 9: 5}
     assert not {t.prompt for t in tasks} & {t.prompt for t in load_split(config.task, "train")}
 
 
@@ -51,11 +52,16 @@ def test_steps_to_a_fraction_of_the_gain():
 def results(name: str, seed: int, beats: bool) -> dict:
     rate = {"value": 0.5, "low": 0.4, "high": 0.6}
     sizes = [{"size": s, "delegation_rate": rate, "branching": None} for s in (2, 6)]
+    record = {"name": name, "credit": "broadcast", "cost": "token", "lambda": 0.002, "seed": seed,
+              "sizes": [2, 6], "boundary": {"warm start": 2, "RL": 6},
+              "p_delegate": {"warm start": [0.5, 1.0], "RL": [0.1, 1.0]},
+              "clones_per_call": {"warm start": [2.0, 3.0], "RL": [None, 2.5]}, "oracle_rl": ["direct", "delegate"]}
     return {"name": name, "seed": seed, "reward": {"warm start": 0.1, "RL": 0.3},
             "rl_minus_start": {"value": 0.2, "low": 0.1 if beats else -0.1, "high": 0.3},
             "rl_minus_best_forced": {"value": 0.0, "low": -0.005, "high": 0.01},
             "beats_start": beats, "matches_best_forced": True, "decisive_sizes": [6], "indecisive_sizes": [2],
-            "steps_to_90": 12, "per_size": {"warm start": sizes, "RL": sizes}}
+            "skills_kept": [{"size": 2, "style": "direct", "warm start": 1.0, "RL": 0.99, "kept": True}],
+            "steps_to_90": 12, "per_size": {"warm start": sizes, "RL": sizes}, "record": record}
 
 
 def test_the_sweep_shares_a_warm_start_per_seed_and_resumes(tmp_path, monkeypatch):
@@ -81,12 +87,18 @@ def test_the_sweep_shares_a_warm_start_per_seed_and_resumes(tmp_path, monkeypatc
                      ("controller", 0, "ratio", first),  # seed 1's first run was done already
                      ("controller", 1, "broadcast", str(done / "sft")), ("controller", 1, "ratio", str(done / "sft"))]
     assert "| controller_free | broadcast | 2 | 0.300 | +0.200 | 1/2 |" in summary
+    assert "| controller_free | broadcast | token | 0.002 | 6, 6 | 2: 0.10 6: 1.00 | 2: – 6: 2.50 | DG DG |" in summary
     assert (tmp_path / "delegation_rate.png").stat().st_size > 0
+    records = json.loads((tmp_path / "controller_sweep.json").read_text())
+    assert sorted((r["name"], r["seed"]) for r in records) == [
+        ("controller", 0), ("controller", 0), ("controller", 1), ("controller", 1),
+        ("controller_free", 0), ("controller_free", 1)]
 
 
 def test_a_summary_before_any_run_says_so(tmp_path):
     text = write_summary(tmp_path, SweepConfig(output_dir=str(tmp_path))).read_text()
-    assert "Runs found under" in text and ": 0 of 6 settings" in text
+    assert "Runs found under" in text and ": 0 of 7 settings" in text
+    assert json.loads((tmp_path / "controller_sweep.json").read_text()) == []
 
 
 @pytest.mark.slow

@@ -80,6 +80,16 @@ def test_linear_terms_on_a_tree():
     )
 
 
+def test_processed_tokens_count_clone_prompts_and_returns():
+    tree = delegating_tree()
+    costs = tree.costs()
+    root_prompt = len(tree.root.prompt_ids)
+    assert costs.processed_tokens == costs.context_tokens - root_prompt
+    assert costs.processed_tokens > costs.generated_tokens  # clone prompts and returns count too
+    terms = cost_terms(tree, CostConfig(**OFF, per_processed_token=1e-3))
+    assert terms == pytest.approx({"cost/processed_tokens": 1e-3 * costs.processed_tokens})
+
+
 def test_terms_that_are_off_are_absent_and_a_lone_root_pays_only_its_length():
     assert cost_terms(delegating_tree(), CostConfig(**OFF)) == {}
     terms = cost_terms(single_turn("Answer: 1", tokens=600), CostConfig())

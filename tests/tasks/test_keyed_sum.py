@@ -3,6 +3,7 @@ import re
 import pytest
 
 from selfcest.tasks.keyed_sum import (
+    KEY_LETTERS,
     KeyedSumConfig,
     keyed_sum_splits,
     keyed_sum_tasks,
@@ -141,3 +142,13 @@ def test_a_clones_answer_is_the_total_of_the_keys_it_holds():
     sums = numbers(task)
     assert keys_answer(task, ["L1", "L3"]) == str((sum(sums["L1"]) + sum(sums["L3"])) % 10)
     assert keys_answer(task, []) is None and keys_answer(task, ["L9"]) is None
+
+
+def test_letter_keys_are_single_letters_that_no_prompt_word_begins_with():
+    config = KeyedSumConfig(num_keys=4, letter_keys=True, inline=True)
+    assert config.keys() == ["B", "C", "D", "E"]
+    task = keyed_sum_tasks(1, seed=0, config=config)[0]
+    assert list(task.context) == ["B", "C", "D", "E"] and "[B]" in task.prompt
+    assert not {"A", "I", "L", "O"} & set(KEY_LETTERS)
+    with pytest.raises(ValueError, match="at most"):
+        KeyedSumConfig(num_keys=len(KEY_LETTERS) + 1, letter_keys=True)

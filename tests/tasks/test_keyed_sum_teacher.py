@@ -10,6 +10,7 @@ from selfcest.tasks.keyed_sum_teacher import (
     KeyedSumTeacher,
     add_answers,
     running_sum,
+    solve_lists,
     split_keys,
 )
 from selfcest.train.traces import teacher_trees
@@ -80,3 +81,31 @@ def test_the_teacher_refuses_what_it_cannot_demonstrate():
         KeyedSumTeacher(redelegate=1.5)
     with pytest.raises(ValueError, match="max_direct_keys"):
         KeyedSumTeacher(max_direct_keys=0)
+    with pytest.raises(ValueError, match="direct_style"):
+        KeyedSumTeacher(direct_style="scribble")
+
+
+def test_the_copy_style_copies_each_list_then_keeps_one_running_total():
+    lists = [("B", [0, 1, 3]), ("C", [3, 2, 1])]
+    assert solve_lists(lists, style="copy") == "B 0 1 3 +0=0 +1=1 +3=4\nC 3 2 1 +3=7 +2=9 +1=10\nAnswer: 10<|im_end|>"
+    assert solve_lists(lists, style="copy", modulus=10) == (
+        "B 0 1 3 +0=0 +1=1 +3=4\nC 3 2 1 +3=7 +2=9 +1=0\nAnswer: 0<|im_end|>")
+    assert add_answers(["6", "7", "2"], style="copy", modulus=10) == "6 7 2 +6=6 +7=3 +2=5\nAnswer: 5<|im_end|>"
+    with pytest.raises(ValueError, match="copy style"):
+        solve_lists(lists, modulus=10)
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_modular_letter_key_demonstrations_are_right_at_every_node(tiny_policy, inline):
+    shape = KeyedSumConfig(num_keys=5, modulus=10, letter_keys=True, inline=inline, **SHAPE)
+    tasks = keyed_sum_tasks(20, seed=3, config=shape)
+    assert tasks[0].prompt.startswith("Add all numbers" + ("" if inline else " in B C D E F") + " mod 10.")
+    teacher = KeyedSumTeacher(branching=(2, 3), delegate_inline=0.5, redelegate=0.5, direct_style="copy",
+                              modulus=10, answer_width=1)
+    trees = teacher_trees(tasks, teacher, tiny_policy.protocol, BIG)
+    assert len(trees) == 20  # every demonstration right, none dropped
+    for tree, task in zip(trees, tasks):
+        for node in tree.clones():
+            assert node.answer == str(sum(task.metadata["sums"][k] for k in node.context_keys) % 10)
+    with pytest.raises(ValueError, match="modulus 0"):  # a teacher told the wrong modulus refuses
+        KeyedSumTeacher()(f"<|im_start|>user\n{tasks[0].prompt}<|im_end|>\n<|im_start|>assistant\n")

@@ -70,10 +70,33 @@ def test_samples_have_the_full_context_and_a_mask_exactly_on_sampled_tokens():
     assert clone.old_logprobs == [0.0, -2.1, -2.2, -2.3, 0.0, -2.5]
     assert root.advantage == 0.5 and clone.advantage == 0.5 and samples[2].advantage == -0.5
     assert root.weight_version == 7 and root.num_trainable == 3
+    # The root's first sampled token is its decision whether to delegate; clones make none.
+    assert root.decision_at == 2 and clone.decision_at is None
     # mask 1 exactly where the token came from a sampled segment
     for sample, tree in zip(samples, [trees[0], trees[0], trees[1], trees[1]]):
         node = tree.nodes[sample.node_id]
         assert sum(sample.loss_mask) == node.generated_tokens
+
+
+def test_a_root_whose_turn_began_prefilled_made_no_decision():
+    tree = scored_tree(0, 0, 1.0)
+    tree.root.segments.insert(0, Segment("prefill", [9]))  # the engine wrote its first token
+    advantages = Advantages(per_tree=[{n: 1.0 for n in tree.nodes}], keep=[True], metrics={})
+    root = samples_from_trees([tree], advantages)[0]
+    assert root.node_id == "0" and root.decision_at is None
+    batch = collate([root], [1.0])
+    assert batch.decision_mask.sum() == 0
+
+
+def test_collate_marks_each_decision_where_its_sample_lies():
+    trees = [scored_tree(0, 0, 1.0), scored_tree(0, 1, 0.0)]
+    samples = samples_from_trees(trees, compute_advantages(trees, CreditConfig()))
+    for pack_width in (None, 32):
+        batch = collate(samples, [1.0] * len(samples), pack_width=pack_width)
+        marked = batch.decision_mask.nonzero().tolist()
+        expected = [[row, start + s.decision_at] for s, (row, start, _) in zip(samples, batch.spans)
+                    if s.decision_at is not None]
+        assert marked == expected and len(marked) == 2
 
 
 def test_dropped_trees_give_no_samples():

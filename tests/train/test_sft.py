@@ -122,3 +122,25 @@ def test_a_rejected_call_is_context_and_its_repair_a_target():
     for segment, trained in zip(segments, [0, 0, 1, 0, 1]):
         expected += [trained] * len(segment.token_ids)
     assert root.loss_mask == expected
+
+
+@pytest.mark.parametrize("target, steps_run, best_check", [(1.0, 6, 1), (0.8, 4, 1)])
+def test_validation_keeps_the_best_weights_and_stops_at_the_target(target, steps_run, best_check):
+    """Scores 0.2, 0.9, 0.5 at steps 2, 4, 6: the weights of step 4 are kept; with a target of
+    0.8 training stops there."""
+    policy = ClonePolicy.build_tiny(seed=2)
+    _, trees = demo_trees(policy)
+    scores, seen = iter([0.2, 0.9, 0.5]), []
+
+    def score(policy):
+        seen.append({k: v.clone() for k, v in policy.model.state_dict().items()})
+        return next(scores)
+
+    config = SFTConfig(steps=6, sequences_per_step=4, lr=1e-2, warmup_steps=0, validate_every=2,
+                       validation_target=target)
+    history = train_sft(policy, trees, config, score=score)
+    assert len(history) == steps_run
+    assert [h.get("sft/validation") for h in history][1::2] == [0.2, 0.9, 0.5][: steps_run // 2]
+    kept = policy.model.state_dict()
+    assert all(torch.equal(kept[k], seen[best_check][k]) for k in kept)
+    assert not all(torch.equal(kept[k], seen[0][k]) for k in kept)  # the weights did move

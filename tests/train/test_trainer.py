@@ -497,3 +497,47 @@ def test_protocol_none_trains_a_flat_step_on_the_loaded_vocabulary(tmp_path, lor
     assert not [n for n in trainable if torch.equal(before[n], after[n])]
     assert not any("trainable_tokens" in n for n in trainable)
     assert all(list(t.nodes) == ["0"] for t in trees)
+
+
+def spawn_probability(policy: ClonePolicy, task: Task) -> float:
+    ids = torch.tensor([policy.protocol.root_prompt(task)])
+    with torch.no_grad():
+        logits = policy.model(input_ids=ids).logits[0, -1]
+    return float(torch.softmax(logits, -1)[policy.protocol.spawn_open_id])
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.5])
+def test_the_decision_entropy_bonus_alone_pulls_a_certain_decision_toward_a_coin_flip(
+        tmp_path, spawning_policy, demo_task, coef):
+    """With every advantage 0 the policy term gives no gradient; the decision bonus then moves
+    P(the root opens a spawn call) from near 1 toward 0.5, and nothing moves without it."""
+    policy = ClonePolicy(copy.deepcopy(spawning_policy.model), spawning_policy.tokenizer,
+                         spawning_policy.protocol)
+    config = small_config(tmp_path, lr=1e-2)
+    config.algo.loss.decision_entropy_coef = coef
+    trainer = build_trainer(config, policy=policy, train_tasks=[demo_task])
+    (tree,) = policy.engine(Budget(max_depth=1), SamplingParams(temperature=0)).rollout([demo_task])
+    samples = samples_from_trees([tree], Advantages([{n: 0.0 for n in tree.nodes}], [True], {}))
+    before = spawn_probability(trainer.policy, demo_task)
+    metrics = trainer._update(samples)
+    after = spawn_probability(trainer.policy, demo_task)
+    trainer.close()
+    assert before > 0.9
+    if coef:
+        assert before - after > 1e-3 and metrics["loss/decision_entropy"] > 0
+    else:
+        assert after == before and "loss/decision_entropy" not in metrics
+
+
+def test_each_step_logs_how_often_roots_delegate_at_each_task_size(tmp_path, spawning_policy, demo_task):
+    trainer = build_trainer(small_config(tmp_path), policy=spawning_policy, train_tasks=[demo_task])
+    (delegating,) = spawning_policy.engine(Budget(max_depth=1), SamplingParams(temperature=0)).rollout([demo_task])
+    direct = copy.deepcopy(delegating)
+    direct.root.segments = [s for s in direct.root.segments if s.kind == "sampled"][-1:]  # "Answer: 10"
+    larger = Task("larger", "Add all numbers in L1 L2 L3.", "12", {**demo_task.context, "L3": "2"})
+    other = copy.deepcopy(delegating)
+    other.task_id = "larger"
+    metrics = trainer._decision_metrics([delegating, direct, other], {"demo": demo_task, "larger": larger})
+    trainer.close()
+    assert metrics == {"decision/p_delegate": 2 / 3, "decision/p_delegate/size_2": 0.5,
+                       "decision/p_delegate/size_3": 1.0}
