@@ -13,9 +13,10 @@ $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 
 install: $(VENV)/.installed
 
-# The main job on the embedded default (no downloads).
+# The main job on the embedded default (no downloads): the CPU reproduction and the
+# controller's main sweep, one core each.
 run: install
-	$(PY) -m selfcest.experiments.cpu_repro
+	$(PY) -m selfcest.experiments.main
 
 # The default test run: CPU only, no network, a few minutes.
 test: install

@@ -47,6 +47,7 @@ from selfcest.rollout.backends.base import SamplingParams
 from selfcest.task import Task
 from selfcest.tasks import load_tasks
 from selfcest.train.config import TrainConfig, held_out_splits, load_split
+from selfcest.train.logging import read_metrics
 from selfcest.train.setup import build_reward, held_out_tasks
 from selfcest.tree import CloneTree
 
@@ -202,6 +203,7 @@ def summarize(config: TrainConfig, decisions: dict[str, list[Decision]], history
         "oracle": {name: {r["size"]: r["better"] for r in policy_rows} for name, policy_rows in trained_rows.items()},
         "boundary": {name: boundary(policy_rows, trained) for name, policy_rows in trained_rows.items()},
         "skills_kept": skills_kept(trained_rows),
+        "decision_room": decision_room(trained_rows["warm start"]),
         "reward": {name: statistics.fmean(reward(name, Mode.FREE).values()) for name in decisions},
         "forced_reward": forced, "best_forced": best_forced,
         "rl_minus_start": asdict(against_start), "rl_minus_best_forced": asdict(against_forced),
@@ -216,6 +218,14 @@ def summarize(config: TrainConfig, decisions: dict[str, list[Decision]], history
 def _follows(row: dict) -> tuple[int, bool]:
     rate = row["delegation_rate"]["value"]
     return row["size"], rate >= DECISIVE_RATE if row["better"] == "delegate" else rate <= 1 - DECISIVE_RATE
+
+
+def decision_room(rows: list[dict]) -> float:
+    """What choosing the better forced style at every size would add to the warm start's free
+    reward (mean over sizes, which hold as many tasks each): the gain open to RL from the
+    decision alone, its skills unchanged."""
+    return statistics.fmean(max(r["reward"][Mode.DIRECT.value]["value"], r["reward"][Mode.DELEGATE.value]["value"])
+                            - r["reward"][Mode.FREE.value]["value"] for r in rows)
 
 
 def skills_kept(rows: dict[str, list[dict]]) -> list[dict]:
@@ -264,6 +274,7 @@ def record(summary: dict) -> dict:
         "clones_per_call": {name: [(rows[name][s]["branching"] or {}).get("value") for s in sizes] for name in POLICIES},
         "boundary": summary["boundary"],
         "reward": summary["reward"],
+        "decision_room": summary["decision_room"],
         "rl_minus_warm_start": interval(summary["rl_minus_start"]),
         "rl_minus_best_forced": interval(summary["rl_minus_best_forced"]),
         "decisive_sizes": summary["decisive_sizes"], "indecisive_sizes": summary["indecisive_sizes"],
@@ -291,12 +302,31 @@ def run(config: TrainConfig, log=say) -> dict:
             file.writelines(json.dumps({"policy": name, **asdict(d)}) + "\n"
                             for name, rows in decisions.items() for d in rows)
 
+    return write_results(config, out, decisions, history, timings, log)
+
+
+def write_results(config: TrainConfig, out: Path, decisions: dict[str, list[Decision]], history: list[dict],
+                  timings: dict[str, float], log=say) -> dict:
+    """``results.json`` (the summary and its `record`) and ``report.md``; returns the summary."""
     summary = {**summarize(config, decisions, history), "timings": timings}
     summary["record"] = record(summary)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     report = write_controller_report(out, config, summary, history)
     log(f"report: {report}")
     return summary
+
+
+def refresh(config: TrainConfig, log=say) -> dict:
+    """Summarize a finished run again from what it saved (``decisions.jsonl``, the RL arm's
+    ``metrics.jsonl``, the timings of ``results.json``), with this version's summary and
+    report: nothing is sampled or trained."""
+    out = Path(config.trainer.output_dir)
+    decisions: dict[str, list[Decision]] = {name: [] for name in POLICIES}
+    for line in (out / "decisions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        decisions[row.pop("policy")].append(Decision(**row))
+    timings = json.loads((out / "results.json").read_text())["timings"]
+    return write_results(config, out, decisions, read_metrics(out / "rl" / "metrics.jsonl"), timings, log)
 
 
 def main() -> None:

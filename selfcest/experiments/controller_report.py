@@ -63,6 +63,43 @@ def plot_training_rates(rates: dict, path: Path, window: int = 5) -> Path:
     return path
 
 
+def plot_decisions(records: list[dict], path: Path) -> Path:
+    """P(the root delegates) against size: the warm start, and RL under each setting (means
+    over its seeds, one line per setting and credit); a dotted line marks each setting's
+    oracle crossing, the first size where the warm start's better style is delegation (PNG)."""
+    figure = Figure(figsize=(6.4, 3.8))
+    axis = figure.subplots()
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(_label(r), []).append(r)
+    sizes = records[0]["sizes"] if records else []
+    if records:
+        start = [statistics.fmean(r["p_delegate"]["warm start"][i] for r in records) for i in range(len(sizes))]
+        axis.plot(sizes, start, color="gray", marker="o", markersize=4, label="warm start")
+    for n, (label, runs) in enumerate(groups.items()):
+        color = f"C{n}"
+        rates = [statistics.fmean(r["p_delegate"]["RL"][i] for r in runs) for i in range(len(sizes))]
+        axis.plot(sizes, rates, color=color, marker="o", markersize=4, label=f"RL, {label}")
+        crossing = next((s for s, o in zip(sizes, runs[0]["oracle"]) if o == "delegate"), None)
+        if crossing is not None:
+            axis.axvline(crossing - 0.5 + 0.04 * n, color=color, linestyle=":", linewidth=1)
+    axis.set_xlabel("task size (keys); dotted: where the oracle turns to delegation")
+    axis.set_ylabel("P(root delegates)")
+    axis.set_ylim(-0.05, 1.05)
+    axis.grid(alpha=0.3)
+    if records:
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def _label(record: dict) -> str:
+    cost = {"none": "no cost", "token": f"λ={record['lambda']:g}/token",
+            "latency": f"λ={record['lambda']:g}/critical-path token"}[record["cost"]]
+    return cost if record["credit"] == "broadcast" else f"{cost}, {record['credit']}"
+
+
 def size_series(summary: dict, field: str) -> dict[str, list[tuple[int, dict | None]]]:
     """``field`` of every per-size row, one series per policy of the summary."""
     return {name: [(row["size"], row[field]) for row in rows] for name, rows in summary["per_size"].items()}

@@ -29,8 +29,8 @@ from hydra.core.config_store import ConfigStore
 
 from selfcest.cli import register_schemas
 from selfcest.configure import hydra_app, require, setting
-from selfcest.experiments.controller import POLICIES, run
-from selfcest.experiments.controller_report import plot_by_size
+from selfcest.experiments.controller import POLICIES, refresh, run
+from selfcest.experiments.controller_report import plot_by_size, plot_decisions
 from selfcest.experiments.cpu_repro import compose, say
 from selfcest.templates import environment
 
@@ -49,6 +49,9 @@ class SweepConfig:
                                factory=lambda: [0, 1, 2])
     overrides: list[str] = setting(help="key=value overrides applied to every run", factory=list)
     output_dir: str = setting("runs/controller_sweep", help="where runs and summary.md go")
+    refresh: bool = setting(False, help=(
+        "summarize every finished run again from its saved decisions with this version's "
+        "summary and report (nothing is sampled or trained)"))
     results_file: str | None = setting(None, help=(
         "where to write the list of every finished run's record as JSON (null: "
         "<output_dir>/controller_sweep.json)"))
@@ -74,13 +77,15 @@ def sweep(config: SweepConfig, log=say) -> Path:
             folder = out / f"{name}-{credit}" / f"seed{seed}"
             if warm_start is None and (folder / "sft" / "config.json").exists():
                 warm_start = folder / "sft"  # saved before an interruption: not trained again
+            overrides = [f"trainer.seed={seed}", f"algo.credit.strategy={credit}",
+                         f"trainer.output_dir={folder}", *config.overrides]
             if not (folder / "results.json").exists():
                 log(f"sweep: {name} credit={credit} seed={seed}")
-                overrides = [f"trainer.seed={seed}", f"algo.credit.strategy={credit}",
-                             f"trainer.output_dir={folder}", *config.overrides]
                 if warm_start is not None:
                     overrides.append(f"warm_start.policy={warm_start}")
                 run(compose(name, overrides), log)
+            elif config.refresh:
+                refresh(compose(name, overrides), log)
             warm_start = warm_start or folder / "sft"
     return write_summary(out, config)
 
@@ -121,10 +126,11 @@ def write_summary(out: Path, config: SweepConfig) -> Path:
         rate[label] = mean_rows(runs, POLICIES[1], "delegation_rate")
         branching[label] = mean_rows(runs, POLICIES[1], "branching")
     plots = {}
+    records = [run["record"] for runs in results.values() for run in runs if "record" in run]
     if results:
         plots = {"rate": plot_by_size(rate, "P(root delegates)", out / "delegation_rate.png").name,
-                 "branching": plot_by_size(branching, "clones of the first call", out / "branching.png").name}
-    records = [run["record"] for runs in results.values() for run in runs if "record" in run]
+                 "branching": plot_by_size(branching, "clones of the first call", out / "branching.png").name,
+                 "decisions": plot_decisions(records, out / "decisions.png").name}
     records_file = Path(config.results_file or out / "controller_sweep.json")
     records_file.parent.mkdir(parents=True, exist_ok=True)
     records_file.write_text(json.dumps(records, indent=1) + "\n")

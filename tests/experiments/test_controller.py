@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 
 from selfcest.configure import validate
-from selfcest.experiments import controller_sweep
-from selfcest.experiments.controller import held_out_by_size, run, steps_to_fraction
+from selfcest.eval.decisions import sample_trees
+from selfcest.experiments import controller, controller_sweep
+from selfcest.experiments.controller import held_out_by_size, refresh, run, steps_to_fraction
 from selfcest.experiments.controller_sweep import SweepConfig, sweep, write_summary
 from selfcest.experiments.cpu_repro import compose
 from selfcest.train.config import load_split
@@ -55,12 +56,14 @@ def results(name: str, seed: int, beats: bool) -> dict:
     record = {"name": name, "credit": "broadcast", "cost": "token", "lambda": 0.002, "seed": seed,
               "sizes": [2, 6], "boundary": {"warm start": 2, "RL": 6},
               "p_delegate": {"warm start": [0.5, 1.0], "RL": [0.1, 1.0]},
-              "clones_per_call": {"warm start": [2.0, 3.0], "RL": [None, 2.5]}, "oracle_rl": ["direct", "delegate"]}
+              "clones_per_call": {"warm start": [2.0, 3.0], "RL": [None, 2.5]}, "oracle_rl": ["direct", "delegate"],
+              "oracle": ["direct", "delegate"]}
     return {"name": name, "seed": seed, "reward": {"warm start": 0.1, "RL": 0.3},
             "rl_minus_start": {"value": 0.2, "low": 0.1 if beats else -0.1, "high": 0.3},
             "rl_minus_best_forced": {"value": 0.0, "low": -0.005, "high": 0.01},
             "beats_start": beats, "matches_best_forced": True, "decisive_sizes": [6], "indecisive_sizes": [2],
             "skills_kept": [{"size": 2, "style": "direct", "warm start": 1.0, "RL": 0.99, "kept": True}],
+            "decision_room": 0.05,
             "steps_to_90": 12, "per_size": {"warm start": sizes, "RL": sizes}, "record": record}
 
 
@@ -81,14 +84,21 @@ def test_the_sweep_shares_a_warm_start_per_seed_and_resumes(tmp_path, monkeypatc
         (folder / "results.json").write_text(json.dumps(results(train_config.name, train_config.trainer.seed, False)))
 
     monkeypatch.setattr(controller_sweep, "run", fake_run)
+    refreshed = []
+    monkeypatch.setattr(controller_sweep, "refresh", lambda c, log: refreshed.append(c.trainer.output_dir))
     summary = sweep(config, log=lambda message: None).read_text()
+    assert refreshed == []  # finished runs are left as they are unless asked
+    sweep(replace(config, refresh=True), log=lambda message: None)
+    assert len(refreshed) == 6 and len(calls) == 5
     first = str(tmp_path / "controller_free-broadcast" / "seed0" / "sft")
     assert calls == [("controller_free", 0, "broadcast", None), ("controller", 0, "broadcast", first),
                      ("controller", 0, "ratio", first),  # seed 1's first run was done already
                      ("controller", 1, "broadcast", str(done / "sft")), ("controller", 1, "ratio", str(done / "sft"))]
     assert "| controller_free | broadcast | 2 | 0.300 | +0.200 | 1/2 |" in summary
     assert "| controller_free | broadcast | token | 0.002 | 6, 6 | 2: 0.10 6: 1.00 | 2: – 6: 2.50 | DG DG |" in summary
-    assert (tmp_path / "delegation_rate.png").stat().st_size > 0
+    assert (tmp_path / "delegation_rate.png").stat().st_size > 0 and (tmp_path / "decisions.png").stat().st_size > 0
+    assert "controller_free (broadcast), seed 1: RL − warm start +0.200 [+0.100, +0.300]: **gains**" in summary
+    assert "seed 0: RL − warm start +0.200 [-0.100, +0.300]: **does not gain**" in summary
     records = json.loads((tmp_path / "controller_sweep.json").read_text())
     assert sorted((r["name"], r["seed"]) for r in records) == [
         ("controller", 0), ("controller", 0), ("controller", 1), ("controller", 1),
@@ -101,22 +111,47 @@ def test_a_summary_before_any_run_says_so(tmp_path):
     assert json.loads((tmp_path / "controller_sweep.json").read_text()) == []
 
 
-@pytest.mark.slow
-def test_quick_controller_run_measures_every_mode_and_reports(tmp_path):
+def test_quick_controller_run_measures_every_mode_and_reports(tmp_path, monkeypatch):
     config = compose("controller_quick", [f"trainer.output_dir={tmp_path}", "log.progress=false"])
     summary = run(config, log=lambda message: None)
     rows = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
-    # 2 policies x 3 modes x (3 trained sizes + OOD) x 12 tasks x 1 sample
-    assert Counter((r["policy"], r["mode"]) for r in rows) == {(p, m): 48 for p in ("warm start", "RL")
+    # 2 policies x 3 modes x (2 trained sizes + OOD) x 8 tasks x 1 sample
+    assert Counter((r["policy"], r["mode"]) for r in rows) == {(p, m): 24 for p in ("warm start", "RL")
                                                               for m in ("free", "direct", "delegate")}
     assert all(r["delegated"] for r in rows if r["mode"] == "delegate")
     assert not any(r["clones"] for r in rows if r["mode"] == "direct")
-    assert [row["size"] for row in summary["per_size"]["RL"]] == [2, 4, 6, 10]
-    assert json.loads((tmp_path / "results.json").read_text())["seed"] == 0
+    assert [row["size"] for row in summary["per_size"]["RL"]] == [2, 5, 9]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["seed"] == 0 and saved["record"]["sizes"] == [2, 5]
+    assert set(saved["record"]["oracle"]) <= {"direct", "delegate", "tie"}
+    # The warm start was validated, and the training steps logged P(delegate) per size.
+    sft = [json.loads(line) for line in (tmp_path / "sft" / "sft.jsonl").read_text().splitlines()]
+    assert any("sft/validation" in step for step in sft)
+    assert set(summary["training_rate"]) == {2, 5} and len(summary["training_rate"][2]) == 3
     report = (tmp_path / "report.md").read_text()
-    assert "## Verdicts" in report and "| size | P(delegate) |" in report
-    for name in ("delegation_rate.png", "branching.png", "training_curve.png", "rl/policy/config.json"):
+    assert "## Before RL: the forced styles of the warm start" in report and "## Verdicts" in report
+    for name in ("delegation_rate.png", "branching.png", "training_curve.png", "training_rate.png",
+                 "rl/policy/config.json", "sft/decision_trees.jsonl"):
         assert (tmp_path / name).stat().st_size > 0, name
+    # Summarizing the finished run again from what it saved gives the same summary.
+    (tmp_path / "report.md").unlink()
+    refreshed = refresh(config, log=lambda message: None)
+    assert json.loads(json.dumps(refreshed)) == saved and (tmp_path / "report.md").exists()
+    # A second setting of the seed re-scores the warm start's trees instead of sampling them.
+    again = compose("controller_quick", [f"trainer.output_dir={tmp_path / 'free'}", "log.progress=false",
+                                         f"warm_start.policy={tmp_path / 'sft'}",
+                                         "task.reward_params.cost.per_processed_token=0.0"])
+    sampled = []
+
+    def counting(policy, tasks, mode, *args, **kwargs):
+        sampled.append(mode)
+        return sample_trees(policy, tasks, mode, *args, **kwargs)
+
+    monkeypatch.setattr(controller, "sample_trees", counting)
+    free = run(again, log=lambda message: None)
+    assert len(sampled) == 3  # the RL policy's three modes; the warm start's came from its folder
+    before = {r["size"]: r["accuracy"]["delegate"]["value"] for r in summary["per_size"]["warm start"]}
+    assert {r["size"]: r["accuracy"]["delegate"]["value"] for r in free["per_size"]["warm start"]} == before
 
 
 def test_a_warm_start_saved_before_an_interruption_is_not_trained_again(tmp_path, monkeypatch):
