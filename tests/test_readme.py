@@ -27,6 +27,7 @@ from helpers import REPO, commands, readme_blocks, shell
 from selfcest.cli import register_schemas
 from selfcest.configure import compose, validate
 from selfcest.experiments import cpu_repro
+from selfcest.experiments import main as main_job
 from selfcest.policy import ClonePolicy
 from selfcest.train.config import TrainConfig
 
@@ -94,10 +95,14 @@ def make_dry_run(target: str) -> str:
 
 
 def test_quickstart_make_targets_run_what_the_readme_says():
-    """`make run` is the CPU reproduction, whose `run` test_cpu_repro.py drives end to end
-    (slow, its quick variant); `make test` is the default suite."""
+    """`make run` is the main job: the CPU reproduction, whose `run` test_cpu_repro.py drives
+    end to end (slow, its quick variant), beside the controller's main sweep; `make test` is
+    the default suite."""
     assert QUICKSTART == ["make run", "make test"]
-    assert make_dry_run("run") == ".venv/bin/python -m selfcest.experiments.cpu_repro"
+    assert make_dry_run("run") == ".venv/bin/python -m selfcest.experiments.main"
+    assert [args for args, _ in main_job.JOBS.values()] == [
+        ["-m", "selfcest.experiments.cpu_repro"],
+        ["-m", "selfcest.experiments.controller_sweep", "--config-name", "controller_main"]]
     assert cpu_repro.DEFAULT_EXPERIMENT == "cpu_repro"
     driver = ast.parse((REPO / "tests/experiments/test_cpu_repro.py").read_text())
     imported = {alias.name for node in driver.body if isinstance(node, ast.ImportFrom)
