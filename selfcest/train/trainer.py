@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from selfcest.algo.advantages import compute_advantages
 from selfcest.algo.credit import CREDIT
 from selfcest.algo.losses import combine_stats, per_token_loss, token_entropy
-from selfcest.configure import ConfigError
+from selfcest.configure import ConfigError, RunError
 from selfcest.policy import (ClonePolicy, forward_logprobs, left_pad, set_activation_checkpointing,
                              supports_packing)
 from selfcest.rewards.base import RewardFn, progress_summary, score_trees
@@ -68,6 +68,7 @@ from selfcest.train.distributed import (
     mean_over_processes,
     sum_over_processes,
 )
+from selfcest.train.lifecycle import RunLock, StopSignals
 from selfcest.train.logging import PhaseTimer, RunLogger, tree_metrics
 from selfcest.train.schedule import lr_lambda
 from selfcest.train.sharding import full_weights, is_sharded
@@ -111,11 +112,14 @@ class GRPOTrainer:
         eval_tasks: Sequence[Task] = (),
         backend=None,
         resume_from: Path | None = None,
+        lock: RunLock | None = None,
     ) -> None:
         """Parts built by `selfcest.train.setup.build_trainer` (use that): the config (already
         validated), the accelerator, the (warm-started) policy, the tasks, the reward, an
-        optional backend to roll out with, and the checkpoint to resume from."""
-        self.config, self.accelerator = config, accelerator
+        optional backend to roll out with, the checkpoint to resume from, and the output
+        folder's lock (released by `close`)."""
+        self.config, self.accelerator, self.lock = config, accelerator, lock
+        self.stopped_by: str | None = None  # the signal that stopped `train` early, if any
         acc = accelerator
         trainer = config.trainer
         self.train_tasks, self.eval_tasks, self.reward_fn = list(train_tasks), list(eval_tasks), reward_fn
@@ -165,7 +169,7 @@ class GRPOTrainer:
         if acc.is_main_process:
             self.logger = RunLogger(trainer.output_dir, asdict(config), config.log.wandb,
                                     config.log.wandb_project, config.name, config.log.tensorboard,
-                                    resume=resume_from is not None)
+                                    resume_step=self.state.step if resume_from is not None else None)
         self.resumed_from = resume_from
 
     # ------------------------------------------------------------------ setup helpers
@@ -226,29 +230,38 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> list[dict[str, float]]:
-        """Run until `trainer.steps`; return the metrics of every step run."""
+        """Run until `trainer.steps`; return the metrics of every step run. SIGTERM or SIGINT
+        stops it after the step it arrives in, with a checkpoint (`stopped_by` names it)."""
         trainer = self.config.trainer
         history = []
         progress = None
         if self.accelerator.is_main_process and self.config.log.progress:
             progress = tqdm(total=trainer.steps, initial=self.state.step, desc=self.config.name)
         try:
-            while self.state.step < trainer.steps:
-                metrics = self.step()
-                history.append(metrics)
-                if progress is not None:
-                    progress.update(1)
-                    progress.set_postfix(progress_summary(metrics))
-                if trainer.save_every and self.state.step % trainer.save_every == 0:
-                    self.save()
+            with StopSignals() as signals:
+                while self.state.step < trainer.steps and not self._stop_requested(signals):
+                    metrics = self.step()
+                    history.append(metrics)
+                    if progress is not None:
+                        progress.update(1)
+                        progress.set_postfix(progress_summary(metrics))
+                    if trainer.save_every and self.state.step % trainer.save_every == 0:
+                        self.save()
             saved = trainer.save_every and self.state.step % trainer.save_every == 0
             # A run resumed at its last step ran nothing: its checkpoint is already there.
-            if trainer.save_final and not saved and history:
+            if (trainer.save_final or self.stopped_by) and not saved and history:
                 self.save()
         finally:
             if progress is not None:
                 progress.close()
         return history
+
+    def _stop_requested(self, signals: StopSignals) -> bool:
+        """Whether a stop signal reached any process (all of them then stop at this step)."""
+        received = gather(self.accelerator, signals.received)
+        if any(received):
+            self.stopped_by = next(name for name in received if name)
+        return self.stopped_by is not None
 
     def step(self) -> dict[str, float]:
         """One training step (rollout, scoring, update, sync); returns its metrics."""
@@ -477,14 +490,23 @@ class GRPOTrainer:
             self.logger.save_trees(self.state.step, list(trees)[: self.config.log.trees_per_save])
 
     def save(self) -> Path:
+        """A checkpoint of the current state (`save_checkpoint`); weights that are not finite
+        are never saved."""
         acc = self.accelerator
+        bad = [name for name, p in self._unwrapped.named_parameters()
+               if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]  # a shard under FSDP
+        if any(gather(acc, bad)):
+            raise RunError(f"not saving step {self.state.step}: parameters are not finite "
+                           f"({', '.join(bad[:3]) or 'on another process'}); the last checkpoint is kept")
         return save_checkpoint(self.config.trainer.output_dir, self.state, self._unwrapped,
                                self.optimizer, self.scheduler, rank=acc.process_index,
-                               world_size=acc.num_processes, barrier=acc.wait_for_everyone,
-                               keep=self.config.trainer.keep_checkpoints)
+                               world_size=acc.num_processes, keep=self.config.trainer.keep_checkpoints,
+                               config=asdict(self.config))
 
     def close(self) -> None:
-        """Release the backend and close the logs."""
+        """Release the backend, close the logs and give the output folder's lock back."""
         self.backend.close()
         if self.logger is not None:
             self.logger.close()
+        if self.lock is not None:
+            self.lock.release()
