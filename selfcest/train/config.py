@@ -179,11 +179,18 @@ class TaskConfig:
     reward: str = setting("selfcest.rewards.arithmetic:arithmetic_reward", help=(
         "reward function: package.module:function or path/to/file.py:function"))
     reward_params: dict[str, Any] = setting(help="keyword arguments of the reward factory (cost shaping etc.)", factory=dict)
+    reward_timeout_s: float | None = setting(None, help=(
+        "seconds one reward call may take: set, the reward runs in a worker process that is killed "
+        "past it (the tree scores 0, counted as reward/timeouts; selfcest.rewards.guard); null: it "
+        "runs in this process, where a hang cannot be cut off. Either way a reward that raises or "
+        "returns a non-finite score scores 0, counted as reward/errors"))
 
     def check(self) -> None:
         """Every split's loader arguments, before any task is read (`check_params`)."""
         require(self.name in TASKS, "name", f"must be one of {', '.join(TASKS)}; got {self.name!r}")
         _at_least(self, 0, "eval_size")
+        require(self.reward_timeout_s is None or (is_number(self.reward_timeout_s) and self.reward_timeout_s > 0),
+                "reward_timeout_s", f"must be a number of seconds > 0, or null; got {self.reward_timeout_s!r}")
         for split in ("train", *held_out_splits(self)):
             try:
                 check_params(self.name, *_split_params(self, split))

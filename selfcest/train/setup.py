@@ -20,6 +20,7 @@ from selfcest.configure import ConfigError
 from selfcest.policy import SIZES, ClonePolicy, apply_lora
 from selfcest.protocol import Protocol
 from selfcest.rewards.base import RewardFn, load_reward
+from selfcest.rewards.guard import RewardProcess
 from selfcest.task import Task
 from selfcest.train.checkpoint import check_resume_config, resolve_resume
 from selfcest.train.config import (
@@ -64,11 +65,17 @@ def build_policy(config: TrainConfig, name: str | None = None) -> ClonePolicy:
 
 
 def build_reward(config: TrainConfig) -> RewardFn:
-    """The reward named by ``task.reward`` (a factory is called with ``task.reward_params``)."""
+    """The reward named by ``task.reward`` (a factory is called with ``task.reward_params``),
+    loaded here first so that a bad spec fails before any compute; with
+    ``task.reward_timeout_s``, called in a worker process (`RewardProcess`)."""
+    task = config.task
     try:
-        return load_reward(config.task.reward, config.task.reward_params)
+        reward = load_reward(task.reward, task.reward_params)
     except ValueError as error:
         raise ConfigError(f"task.reward: {error}") from None
+    if task.reward_timeout_s is None:
+        return reward
+    return RewardProcess(task.reward, task.reward_params, task.reward_timeout_s)
 
 
 def held_out_tasks(config: TrainConfig) -> list[Task]:
@@ -148,6 +155,9 @@ def build_trainer(
     """
     validate(config)
     trainer = config.trainer
+    if reward_fn is not None and config.task.reward_timeout_s is not None:
+        raise ConfigError("task.reward_timeout_s runs the reward task.reward names in a worker process; a "
+                          "reward_fn given in Python runs in this one: pass none, or set task.reward_timeout_s=null")
     reward_fn = reward_fn or build_reward(config)
     train_tasks = list(train_tasks) if train_tasks is not None else load_split(config.task, "train")
     if eval_tasks is None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import logging
 import random
 import statistics
 import time
@@ -44,6 +45,7 @@ from selfcest.configure import ConfigError, RunError
 from selfcest.policy import (ClonePolicy, forward_logprobs, left_pad, set_activation_checkpointing,
                              supports_packing)
 from selfcest.rewards.base import RewardFn, progress_summary, score_trees
+from selfcest.rewards.guard import GuardedReward
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.hf import HFBackend
 from selfcest.rollout.backends.vllm import VLLMBackend
@@ -73,6 +75,8 @@ from selfcest.train.logging import PhaseTimer, RunLogger, tree_metrics
 from selfcest.train.schedule import lr_lambda
 from selfcest.train.sharding import full_weights, is_sharded
 from selfcest.tree import CloneTree
+
+logger = logging.getLogger(__name__)
 
 
 class TaskSampler:
@@ -122,7 +126,9 @@ class GRPOTrainer:
         self.stopped_by: str | None = None  # the signal that stopped `train` early, if any
         acc = accelerator
         trainer = config.trainer
-        self.train_tasks, self.eval_tasks, self.reward_fn = list(train_tasks), list(eval_tasks), reward_fn
+        self.train_tasks, self.eval_tasks = list(train_tasks), list(eval_tasks)
+        # A reward that fails on a tree scores it 0, counted; a step whose rewards all fail stops.
+        self.reward_fn = reward_fn if isinstance(reward_fn, GuardedReward) else GuardedReward(reward_fn)
         self.sharded = is_sharded(acc)
         # FSDP frees the gathered weights after each forward, so the graph of a first pass over
         # shared prompts cannot be backpropagated after a second pass: rows run whole there.
@@ -275,7 +281,9 @@ class GRPOTrainer:
 
         mark = time.perf_counter()
         by_id = {t.id: t for t in local}
+        self.reward_fn.failures.clear()
         score_trees(trees, by_id, self.reward_fn)
+        self._check_rewards(trees)
         credit = self.config.algo.credit
         if CREDIT[credit.strategy].prepare is not None:  # e.g. counterfactual re-runs
             rerun_engine = self.engine(self._step_seed(self.state.step) ^ 0x5EED)
@@ -303,6 +311,21 @@ class GRPOTrainer:
             metrics.update(self.evaluate())
         self._log(metrics, trees)
         return metrics
+
+    def _check_rewards(self, trees: Sequence[CloneTree]) -> None:
+        """Warn about the trees whose reward failed (scored 0 by `GuardedReward`); stop the run
+        if that is every tree of the step, on every process: nothing could be learned."""
+        failures = self.reward_fn.failures
+        counts = sum_over_processes(self.accelerator, {"failed": len(failures), "trees": len(trees)})
+        if not counts["failed"]:
+            return
+        first = failures[0] if failures else "on another process"
+        step = self.state.step + 1
+        if counts["failed"] == counts["trees"]:
+            raise RunError(f"step {step}: the reward failed on every tree ({first}); nothing can be learned "
+                           f"from rewards that all fail: fix task.reward={self.config.task.reward}")
+        logger.warning("step %d: the reward failed on %d of %d trees, scored 0 (first: %s)",
+                       step, counts["failed"], counts["trees"], first)
 
     # ------------------------------------------------------------------ the update
 
@@ -504,8 +527,10 @@ class GRPOTrainer:
                                config=asdict(self.config))
 
     def close(self) -> None:
-        """Release the backend, close the logs and give the output folder's lock back."""
+        """Release the backend and the reward's worker, close the logs and give the output
+        folder's lock back."""
         self.backend.close()
+        self.reward_fn.close()
         if self.logger is not None:
             self.logger.close()
         if self.lock is not None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import os
 import random
 import statistics
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -19,10 +21,10 @@ from helpers import DEMO_CONTEXT, overfit
 from selfcest.algo.advantages import Advantages, compute_advantages
 from selfcest.algo.credit import counterfactual_reruns
 from selfcest.budget import Budget
-from selfcest.configure import ConfigError
+from selfcest.configure import ConfigError, RunError
 from selfcest.policy import ClonePolicy, LoraSettings, build_tokenizer, forward_logprobs
 from selfcest.protocol import SpawnRequest
-from selfcest.rewards.base import RewardResult, progress_summary, score_trees
+from selfcest.rewards.base import RewardResult, load_reward, progress_summary, score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.rollout.engine import RolloutEngine
@@ -599,3 +601,56 @@ def test_protocol_none_trains_a_flat_step_on_the_loaded_vocabulary(tmp_path, lor
     assert not [n for n in trainable if torch.equal(before[n], after[n])]
     assert not any("trainable_tokens" in n for n in trainable)
     assert all(list(t.nodes) == ["0"] for t in trees)
+
+
+def test_trees_whose_reward_fails_score_0_counted_and_nan_never_reaches_the_loss(tmp_path, caplog):
+    """Of each group of 4 trees one reward raises, one returns NaN, one a string: those score
+    0, reward/errors logs 3/4, the loss and the weights stay finite, and the run goes on."""
+    digits = load_reward(small_config(tmp_path).task.reward)
+
+    def moody(tree, task):
+        kind = tree.sample_index % 4
+        if kind == 0:
+            raise ValueError("boom")
+        return [None, RewardResult(math.nan, False), RewardResult("high", False), digits(tree, task)][kind]
+
+    trainer = build_trainer(small_config(tmp_path, steps=2, lr=1e-2), reward_fn=moody)
+    with caplog.at_level("WARNING"):
+        history = trainer.train()
+    trainer.close()
+    assert [row["reward/errors"] for row in read_metrics(tmp_path / "run/metrics.jsonl")] == [0.75, 0.75]
+    assert "step 1: the reward failed on 12 of 16 trees, scored 0 (first: tree " in caplog.text
+    assert "#0: ValueError: boom" in caplog.text
+    assert all(math.isfinite(h["loss/pg_loss"]) and h["train/optimizer_steps"] == 1 for h in history)
+    assert all(torch.isfinite(p).all() for p in trainer.policy.model.parameters())
+
+
+def test_a_run_whose_rewards_all_fail_stops_saying_why(tmp_path):
+    trainer = build_trainer(small_config(tmp_path, steps=3, save_every=1), reward_fn=lambda tree, task: math.nan)
+    with pytest.raises(RunError, match=r"step 1: the reward failed on every tree \(tree .*#0: returned nan, not a "
+                                       r"RewardResult\); nothing can be learned from rewards that all fail"):
+        trainer.train()
+    trainer.close()
+    assert not (tmp_path / "run/checkpoints").exists()
+    assert (tmp_path / "run/metrics.jsonl").read_text() == ""
+
+
+def test_a_hanging_reward_is_cut_off_by_its_timeout_and_counted(tmp_path):
+    """task.reward_timeout_s: the reward runs in a worker process; the one call that hangs
+    is cut off, its tree scores 0 (reward/timeouts: 1 of 16 trees) and the run finishes."""
+    config = small_config(tmp_path, steps=1)
+    spec = config.task.reward
+    (tmp_path / "hangs.py").write_text(
+        f"import time\nfrom selfcest.rewards.base import load_reward\ndigits = load_reward({spec!r})\n"
+        "def reward(tree, task):\n"
+        "    if tree.task_index == 0 and tree.sample_index == 0:\n        time.sleep(3600)\n"
+        "    return digits(tree, task)\n")
+    config.task.reward, config.task.reward_timeout_s = f"{tmp_path / 'hangs.py'}:reward", 1.0
+    with pytest.raises(ConfigError, match="a reward_fn given in Python runs in this one"):
+        build_trainer(config, reward_fn=lambda tree, task: RewardResult(0.0, False))
+    trainer = build_trainer(config)
+    start = time.monotonic()
+    (metrics,) = trainer.train()
+    trainer.close()
+    assert time.monotonic() - start < 60  # the hang would take an hour
+    assert metrics["reward/timeouts"] == 1 / 16 and "reward/errors" not in metrics
