@@ -264,6 +264,9 @@ class TrainerConfig:
     warmup_steps: int = setting(0, help="linear LR warmup, in optimizer steps")
     schedule: Schedule = setting(Schedule.constant, help="LR schedule after the warmup: constant, or linear / cosine decay to 0")
     max_grad_norm: float = setting(1.0, help="gradient-norm clip (0 = off)")
+    max_nonfinite_updates: int = setting(3, help=(
+        "an update whose loss or gradients are not finite (a learning rate that blew up, an "
+        "overflow) is skipped and counted (train/nonfinite_skipped); this many in a row stop the run"))
     seed: int = setting(0, help="seed of the task order, of every rollout and of the global RNGs")
     output_dir: str = setting("runs/default", help="where checkpoints, metrics and sampled trees go")
     save_every: int = setting(0, help="save a checkpoint every N steps (0 = none before the end)")
@@ -283,7 +286,7 @@ class TrainerConfig:
 
     def check(self) -> None:
         _at_least(self, 1, "steps", "prompts_per_step", "tokens_per_micro_batch", "optimizer_steps_per_step",
-                  "keep_checkpoints")
+                  "keep_checkpoints", "max_nonfinite_updates")
         _at_least(self, 0, "lr", "save_every", "warmup_steps", "eval_every", "max_grad_norm", "weight_decay",
                   "cpu_threads", "pass_overhead_tokens")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",

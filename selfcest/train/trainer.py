@@ -27,6 +27,7 @@ import contextlib
 import copy
 import hashlib
 import logging
+import math
 import random
 import statistics
 import time
@@ -62,7 +63,7 @@ from selfcest.train.batching import (
     samples_from_trees,
     split_for_optimizer_steps,
 )
-from selfcest.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from selfcest.train.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
 from selfcest.train.config import TrainConfig
 from selfcest.train.distributed import (
     gather,
@@ -77,6 +78,13 @@ from selfcest.train.sharding import full_weights, is_sharded
 from selfcest.tree import CloneTree
 
 logger = logging.getLogger(__name__)
+
+
+def _nan_logprobs(tree: CloneTree) -> bool:
+    """Whether a tree was sampled with a NaN logprob: the policy's outputs are not numbers
+    (a sum is NaN if any term is, and costs a C loop per segment)."""
+    return any(math.isnan(sum(segment.logprobs)) for node in tree.nodes.values() for segment in node.segments
+               if segment.trainable)
 
 
 class TaskSampler:
@@ -124,6 +132,7 @@ class GRPOTrainer:
         folder's lock (released by `close`)."""
         self.config, self.accelerator, self.lock = config, accelerator, lock
         self.stopped_by: str | None = None  # the signal that stopped `train` early, if any
+        self.nonfinite_in_row = 0  # updates skipped in a row for a non-finite loss or gradient
         acc = accelerator
         trainer = config.trainer
         self.train_tasks, self.eval_tasks = list(train_tasks), list(eval_tasks)
@@ -330,8 +339,14 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ the update
 
     def train_on_trees(self, trees: Sequence[CloneTree]) -> dict[str, float]:
-        """Advantages, samples and `optimizer_steps_per_step` updates on scored trees."""
+        """Advantages, samples and `optimizer_steps_per_step` updates on scored trees. Trees
+        sampled with NaN logprobs (weights that blew up) are not trained on: the whole update
+        counts as one non-finite update (`_count_nonfinite`)."""
         config = self.config
+        broken = sum_over_processes(self.accelerator, {"n": sum(map(_nan_logprobs, trees))})["n"]
+        if broken:
+            self._count_nonfinite(f"{broken:.0f} trees sampled with NaN logprobs")
+            return {"train/optimizer_steps": 0, "train/nonfinite_skipped": 1}
         advantages = compute_advantages(trees, config.algo.credit)
         samples = samples_from_trees(trees, advantages)
         samples, stale = self._handle_stale(samples)
@@ -371,7 +386,7 @@ class GRPOTrainer:
         proximal = self._proximal_logprobs(samples, micro, width) if recompute else None
         # Tree ids made unique across processes for tree_mean aggregation.
         tree_ids = [s.tree_id * acc.num_processes + acc.process_index for s in samples]
-        stats, grad_norms, trained_tokens, updates = [], [], 0, 0
+        stats, grad_norms, trained_tokens, updates, skipped = [], [], 0, 0, 0
         start = time.perf_counter()
         self.model.train()
         for step_batches in plan:
@@ -396,12 +411,12 @@ class GRPOTrainer:
                     stats.append(self._backward(rows, [weight_of[i] for i in batch], old, width, timer))
                     trained_tokens += sum(samples[i].length for i in batch)
             with timer("optimizer"):
-                if trainer.max_grad_norm:
-                    norm = acc.clip_grad_norm_(self.params, trainer.max_grad_norm)
-                    grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                norm = self._optimizer_step()
+            if norm is None:
+                skipped += 1
+                continue
+            if trainer.max_grad_norm:
+                grad_norms.append(norm)
             updates += 1
         elapsed = time.perf_counter() - start
         counted = [s for s in stats if s["tokens"]]
@@ -417,7 +432,42 @@ class GRPOTrainer:
             "train/padding_frac": padding_fraction(lengths, micro, width), **timer.metrics()}))
         metrics["train/optimizer_steps"] = updates
         metrics["train/grad_norm"] = statistics.fmean(grad_norms) if grad_norms else 0.0
+        if skipped:
+            metrics["train/nonfinite_skipped"] = skipped
         return metrics
+
+    def _optimizer_step(self) -> float | None:
+        """Clip and apply the accumulated gradients; return their norm, or None when the loss
+        or the gradients were not finite: then the update is skipped as one without tokens
+        is (weights, optimizer and schedule stay), and `trainer.max_nonfinite_updates` of
+        those in a row stop the run."""
+        trainer = self.config.trainer
+        # Clipping at infinity scales by exactly 1: the norm of an unclipped run, same bits.
+        norm = self.accelerator.clip_grad_norm_(self.params, trainer.max_grad_norm or math.inf)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        finite = math.isfinite(norm)  # a non-finite loss gives non-finite gradients too
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.nonfinite_in_row = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        if not finite:
+            self._count_nonfinite(f"gradient norm {norm}")
+        return norm if finite else None
+
+    def _count_nonfinite(self, what: str) -> None:
+        """One more update skipped in a row for a non-finite loss, gradient or policy; at
+        `trainer.max_nonfinite_updates` in a row, stop the run."""
+        trainer = self.config.trainer
+        self.nonfinite_in_row += 1
+        logger.warning("step %d: update skipped: %s", self.state.step + 1, what)
+        if self.nonfinite_in_row >= trainer.max_nonfinite_updates:
+            latest = list_checkpoints(trainer.output_dir)
+            raise RunError(
+                f"step {self.state.step + 1}: {self.nonfinite_in_row} updates in a row were skipped for a "
+                f"non-finite loss, gradient or policy (last: {what}; trainer.max_nonfinite_updates); the "
+                f"learning rate (trainer.lr={trainer.lr:g}) may be too high. Last checkpoint: "
+                f"{latest[-1] if latest else 'none'}")
 
     @torch.no_grad()
     def _proximal_logprobs(self, samples: list[TrainingSample], micro: list[list[int]],

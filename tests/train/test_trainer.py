@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 from helpers import DEMO_CONTEXT, overfit
+from safetensors.torch import load_file
 
 from selfcest.algo.advantages import Advantages, compute_advantages
 from selfcest.algo.credit import counterfactual_reruns
@@ -32,6 +33,7 @@ from selfcest.task import Task
 from selfcest.train import trainer as trainer_module
 from selfcest.train.batching import (make_micro_batches, packed_micro_batches, packing_width, padding_fraction,
                                      samples_from_trees)
+from selfcest.train.checkpoint import list_checkpoints
 from selfcest.train.config import TrainConfig
 from selfcest.train.logging import PhaseTimer, read_metrics
 from selfcest.train.setup import build_policy, build_trainer
@@ -654,3 +656,37 @@ def test_a_hanging_reward_is_cut_off_by_its_timeout_and_counted(tmp_path):
     trainer.close()
     assert time.monotonic() - start < 60  # the hang would take an hour
     assert metrics["reward/timeouts"] == 1 / 16 and "reward/errors" not in metrics
+
+
+def test_updates_with_non_finite_gradients_are_skipped_counted_and_stop_the_run(tmp_path):
+    """Every backward pass here gives one parameter NaN gradients: each update is skipped
+    (no weight, optimizer or schedule moves) and counted; the second in a row stops the run."""
+    config = small_config(tmp_path, steps=4, lr=1e-2)
+    config.trainer.max_nonfinite_updates = 2
+    trainer = build_trainer(config)
+    before = params_of(trainer.policy.model)
+    trainer.policy.model.get_output_embeddings().weight.register_hook(lambda grad: grad * math.nan)
+    with pytest.raises(RunError, match=r"step 2: 2 updates in a row were skipped for a non-finite loss, gradient "
+                                       r"or policy \(last: gradient norm nan; trainer.max_nonfinite_updates\)"):
+        trainer.train()
+    trainer.close()
+    (row,) = read_metrics(tmp_path / "run/metrics.jsonl")
+    assert (row["train/nonfinite_skipped"], row["train/optimizer_steps"]) == (1, 0)
+    assert all(torch.equal(before[n], p) for n, p in trainer.policy.model.named_parameters())
+    assert not trainer.optimizer.state and trainer.scheduler.last_epoch == 0
+
+
+def test_a_learning_rate_that_blows_up_stops_the_run_without_saving_nan(tmp_path):
+    """lr 1e30: the first update leaves weights near 1e30, whose logits overflow, so every
+    later tree is sampled with NaN logprobs. Those updates are skipped and counted; the
+    third in a row stops the run. Every checkpoint saved holds finite weights."""
+    trainer = build_trainer(small_config(tmp_path, steps=8, lr=1e30, save_every=1, keep_checkpoints=8))
+    with pytest.raises(RunError, match=r"step 4: 3 updates in a row .*\(last: 16 trees sampled with NaN logprobs; "
+                                       r".*the learning rate \(trainer.lr=1e\+30\) may be too high. Last checkpoint: "
+                                       r".*step_000003"):
+        trainer.train()
+    trainer.close()
+    rows = read_metrics(tmp_path / "run/metrics.jsonl")
+    assert [row.get("train/nonfinite_skipped", 0) for row in rows] == [0, 1, 1]
+    for folder in list_checkpoints(tmp_path / "run"):
+        assert all(torch.isfinite(t).all() for t in load_file(folder / "model.safetensors").values())
