@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import re
@@ -115,10 +116,25 @@ REWARD_CALLS_PER_STEP = 8
 
 
 def faulty_run(out: Path, *overrides: str, fault: str | None = None, at_step: int = 1, env: dict | None = None,
-               timeout: int = 120) -> subprocess.CompletedProcess:
+               timeout: int = 120, preexec_fn=None) -> subprocess.CompletedProcess:
     """``python -m selfcest.train`` of `FAULTY_RUN` into ``out``; with ``fault`` (see
     faulty_reward.py), met at the first reward call of step ``at_step``. A few seconds."""
     extra = {"FAULT": fault, "FAULT_AT_CALL": str((at_step - 1) * REWARD_CALLS_PER_STEP + 1)} if fault else {}
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra, **(env or {})}
     return subprocess.run([sys.executable, "-m", "selfcest.train", *FAULTY_RUN, f"trainer.output_dir={out}",
-                           *overrides], env=environment, capture_output=True, text=True, timeout=timeout)
+                           *overrides], env=environment, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=preexec_fn)
+
+
+def bound_by_file_permissions() -> None:
+    """In a child process about to start (``preexec_fn``): as root, give up the capability
+    to write where file permissions forbid it (CAP_DAC_OVERRIDE), so that a read-only folder
+    is one for it too; nothing for other users, whom permissions bind already."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE)")
+
+
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE = 24, 1  # <linux/prctl.h>, <linux/capability.h>

@@ -3,8 +3,9 @@
 It scores a tree by the share of digits in what it generated (varied under a random
 policy, so every step trains). With ``FAULT`` and ``FAULT_AT_CALL`` in the environment, its
 call number ``FAULT_AT_CALL`` (counted from 1 in this process) first does the fault: sends
-this process SIGKILL, SIGTERM or SIGINT, or (``FSIZE``) limits the size of any file it
-writes from then on to ``FSIZE_BYTES``, as a disk that fills up would.
+this process SIGKILL, SIGTERM or SIGINT, (``FSIZE``) limits the size of any file it
+writes from then on to ``FSIZE_BYTES``, as a disk that fills up would, or (``READONLY``)
+makes the folder ``READONLY_DIR`` read-only.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def reward(tree, task) -> RewardResult:
         fault = os.environ["FAULT"]
         if fault == "FSIZE":
             resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ["FSIZE_BYTES"]), resource.RLIM_INFINITY))
+        elif fault == "READONLY":
+            os.chmod(os.environ["READONLY_DIR"], 0o555)
         else:
             os.kill(os.getpid(), getattr(signal, fault))
     text = "".join(n.text() for n in tree.nodes.values())

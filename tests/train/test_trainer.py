@@ -645,7 +645,7 @@ def test_a_hanging_reward_is_cut_off_by_its_timeout_and_counted(tmp_path):
     (tmp_path / "hangs.py").write_text(
         f"import time\nfrom selfcest.rewards.base import load_reward\ndigits = load_reward({spec!r})\n"
         "def reward(tree, task):\n"
-        "    if tree.task_index == 0 and tree.sample_index == 0:\n        time.sleep(3600)\n"
+        "    if tree.task_index == 0 and tree.sample_index == 0:\n        time.sleep(60)\n"
         "    return digits(tree, task)\n")
     config.task.reward, config.task.reward_timeout_s = f"{tmp_path / 'hangs.py'}:reward", 1.0
     with pytest.raises(ConfigError, match="a reward_fn given in Python runs in this one"):
@@ -654,7 +654,7 @@ def test_a_hanging_reward_is_cut_off_by_its_timeout_and_counted(tmp_path):
     start = time.monotonic()
     (metrics,) = trainer.train()
     trainer.close()
-    assert time.monotonic() - start < 60  # the hang would take an hour
+    assert time.monotonic() - start < 60  # the hang alone would take that (uncut, the test fails)
     assert metrics["reward/timeouts"] == 1 / 16 and "reward/errors" not in metrics
 
 
