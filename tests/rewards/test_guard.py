@@ -85,11 +85,12 @@ def test_a_reward_process_cuts_a_hang_off_and_answers_the_next_call(tmp_path):
 def test_the_guard_counts_timeouts_apart_from_errors(tmp_path):
     guarded = GuardedReward(RewardProcess(reward_file(tmp_path), None, timeout_s=1.0))
     try:
-        results = [guarded(single_turn(f"Answer: {text}"), TASK) for text in ("7", "hang", "raise")]
+        # The hang last: no worker to start again after it.
+        results = [guarded(single_turn(f"Answer: {text}"), TASK) for text in ("7", "raise", "hang")]
     finally:
         guarded.close()
-    assert [r.info for r in results] == [{"length": 9}, {"timeouts": 1.0}, {"errors": 1.0}]
-    assert guarded.failures[1] == "tree t#0: KeyError: 'no such field'"
+    assert [r.info for r in results] == [{"length": 9}, {"errors": 1.0}, {"timeouts": 1.0}]
+    assert guarded.failures[0] == "tree t#0: KeyError: 'no such field'"
 
 
 def test_a_reward_that_cannot_load_in_its_worker_stops_at_once(tmp_path):
