@@ -17,6 +17,7 @@ from selfcest.configure import hydra_app
 from selfcest.eval.cli import run_eval
 from selfcest.eval.config import EvalConfig
 from selfcest.eval.view import main as view_main
+from selfcest.train.checkpoint import list_checkpoints
 from selfcest.train.config import TrainConfig
 from selfcest.train.setup import build_trainer, run_warm_start
 
@@ -32,12 +33,18 @@ def register_schemas() -> None:
 
 
 def run_training(config: TrainConfig) -> None:
-    """``selfcest-train``: build the trainer, train, release it."""
+    """``selfcest-train``: build the trainer, train, release it. Stopped by a signal (with a
+    checkpoint), it says so and exits 0 after SIGTERM, 130 after SIGINT."""
     trainer = build_trainer(config)
     try:
         trainer.train()
     finally:
         trainer.close()
+    if trainer.stopped_by is not None:
+        latest = list_checkpoints(config.trainer.output_dir)[-1]
+        print(f"selfcest: stopped by {trainer.stopped_by} after step {trainer.state.step} of "
+              f"{config.trainer.steps}; checkpoint {latest}; continue with trainer.resume=true", file=sys.stderr)
+        sys.exit(130 if trainer.stopped_by == "SIGINT" else 0)
 
 
 def train() -> None:

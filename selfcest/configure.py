@@ -15,6 +15,7 @@ This module is a leaf: it knows dataclasses, OmegaConf and Hydra, and nothing of
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import sys
 import types
@@ -35,6 +36,12 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the fix."""
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on (a checkpoint that cannot be written, rewards that all fail,
+    an update that keeps diverging, an output folder in use); the message names the cause
+    and what was kept."""
 
 
 class Choice(str, enum.Enum):
@@ -282,6 +289,43 @@ def compose(config_name: str, overrides: list[str], kind: type) -> Any:
             GlobalHydra.instance().initialize(outer)
 
 
+def check_overrides(kind: type, args: Sequence[str]) -> None:
+    """Refuse a command-line override whose key no setting of ``kind`` has (with the closest
+    key and the section's keys) or whose value is not one of a choice's, before Hydra would
+    say so over several lines. Config groups (``model=tiny``), Hydra's own keys, keys inside
+    free-form mappings (``task.params.*``) and interpolated values are left to Hydra."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if not sep or arg.startswith("-") or "@" in key or "/" in key or key.split(".")[0] == "hydra":
+            continue
+        if "." not in key and (CONFIG_DIR / key).is_dir():
+            continue
+        _check_key(kind, key, value)
+
+
+def _check_key(kind: type, key: str, value: str) -> None:
+    section, path, parts = kind, "", key.split(".")
+    for depth, part in enumerate(parts, 1):
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        if part not in fields:
+            close = difflib.get_close_matches(part, fields, n=1)
+            hint = f" (did you mean {_join(path, close[0])}?)" if close else ""
+            raise ConfigError(f"unknown key {_join(path, part)}{hint}; the keys of {path or 'the config'}: "
+                              f"{', '.join(sorted(fields))}")
+        path = _join(path, part)
+        hint = typing.get_type_hints(section)[part]
+        section = _dataclass_of(hint)
+        if section is None:  # a value, or a free-form mapping or list
+            free_form = typing.get_origin(hint) in (dict, list) or hint is Any
+            if depth < len(parts) and not free_form:
+                raise ConfigError(f"{path} is a setting, not a section: {key} names nothing")
+            choices = _enum_of(hint)
+            if choices is not None and "${" not in value and value not in ("null", *(m.value for m in choices)):
+                _choice(choices, value, path)
+            return
+
+
 def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults: Sequence[str] = (),
               program: str = "") -> None:
     """Run ``run(config)`` as a Hydra app over `CONFIG_DIR`, ``config`` built as ``kind``.
@@ -289,7 +333,7 @@ def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults
     ``defaults`` are ``key=value`` overrides applied unless the command line sets that key
     (an experiment's own default experiment, say). ``--help`` prints every setting of
     ``kind`` (Hydra's own help: ``--hydra-help``), under the name ``program``. A configuration error exits with code 2
-    and one line on stderr.
+    and one line on stderr, a `RunError` with code 1 and one line.
     """
     for default in defaults:
         key = default.split("=", 1)[0] + "="
@@ -299,6 +343,11 @@ def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults
         print(f"{program or Path(sys.argv[0]).name} [key=value ...]  (Hydra overrides; --hydra-help for Hydra's options)\n")
         print("\n".join(describe(kind)))
         return
+    try:
+        check_overrides(kind, sys.argv[1:])
+    except ConfigError as error:
+        print(f"selfcest: configuration error: {error}", file=sys.stderr)
+        sys.exit(2)
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name=config_name, version_base="1.3")
     def app(cfg: DictConfig) -> None:
@@ -307,5 +356,8 @@ def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults
         except (ConfigError, FileNotFoundError) as error:
             print(f"selfcest: configuration error: {error}", file=sys.stderr)
             sys.exit(2)
+        except RunError as error:
+            print(f"selfcest: stopped: {error}", file=sys.stderr)
+            sys.exit(1)
 
     app()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import re
@@ -101,3 +102,39 @@ def shell(command: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
     env = {"OMP_NUM_THREADS": "1", **os.environ, "PATH": path, "PYTHONPATH": str(REPO)}
     return subprocess.run(["bash", "-c", command], check=False, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+# A 4-step run of the tiny model under a warmed-up cosine schedule (so a resume that lost the
+# scheduler's state would train other weights), 2 prompts x 4 trees a step, a checkpoint
+# every 2 steps; the reward of tests/train/faulty_reward.py, which can meet a fault on purpose.
+# Trees of 24 tokens give every group's rewards some variance, so every step updates.
+FAULTY_RUN = ["model=tiny", "trainer.steps=4", "trainer.save_every=2", "trainer.prompts_per_step=2",
+              "trainer.trees_per_prompt=4", "trainer.lr=1e-2", "trainer.schedule=cosine", "trainer.warmup_steps=1",
+              "rollout.budget.node_generation=24", "rollout.budget.tree_generation=64", "log.progress=false",
+              "log.trees_every=0", f"task.reward={REPO / 'tests/train/faulty_reward.py'}:digits"]
+REWARD_CALLS_PER_STEP = 8
+
+
+def faulty_run(out: Path, *overrides: str, fault: str | None = None, at_step: int = 1, env: dict | None = None,
+               timeout: int = 120, preexec_fn=None) -> subprocess.CompletedProcess:
+    """``python -m selfcest.train`` of `FAULTY_RUN` into ``out``; with ``fault`` (see
+    faulty_reward.py), met at the first reward call of step ``at_step``. A few seconds."""
+    extra = {"FAULT": fault, "FAULT_AT_CALL": str((at_step - 1) * REWARD_CALLS_PER_STEP + 1)} if fault else {}
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "selfcest.train", *FAULTY_RUN, f"trainer.output_dir={out}",
+                           *overrides], env=environment, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=preexec_fn)
+
+
+def bound_by_file_permissions() -> None:
+    """In a child process about to start (``preexec_fn``): as root, give up the capability
+    to write where file permissions forbid it (CAP_DAC_OVERRIDE), so that a read-only folder
+    is one for it too; nothing for other users, whom permissions bind already."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE)")
+
+
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE = 24, 1  # <linux/prctl.h>, <linux/capability.h>

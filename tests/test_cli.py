@@ -93,7 +93,12 @@ def test_grpo_plain_is_the_textbook_group_normalised_token_mean_grpo():
     [
         ("rollout.budget.node_context=0", "rollout.budget.node_context must be >= 1"),
         ("rollout.budget.node_generation=5000", "rollout.budget.node_generation (5000) exceeds"),
-        ("algo.credit.strategy=magic", "algo.credit.strategy must be one of"),
+        ("algo.credit.strategy=magic", "algo.credit.strategy must be one of broadcast, ratio, sibling, "
+                                       "counterfactual; got 'magic'"),
+        ("rollout.budget.node_generation=0", "rollout.budget.node_generation must be >= 1, got 0"),  # max_tokens 0
+        ("trainer.trees_per_prompt=-4", "trainer.trees_per_prompt must be >= 2"),
+        ("task.reward_timeout_s=0", "task.reward_timeout_s must be a number of seconds > 0, or null; got 0"),
+        ("trainer.max_nonfinite_updates=0", "trainer.max_nonfinite_updates must be a number >= 1; got 0"),
         ("algo.loss.clip_low=1.5", "algo.loss.clip_low must be < 1"),
         ("model=hf", "model.name is required"),
         ("model.name=/no/such/model", "model.name must be one of"),
@@ -140,6 +145,11 @@ def test_train_cli_runs_and_config_errors_exit_2(tmp_path):
     bad = run_cli("rollout.budget.node_context=0", cwd=tmp_path)
     assert bad.returncode == 2
     assert "configuration error: rollout.budget.node_context must be >= 1" in bad.stderr
+    typo = run_cli("trainer.stpes=3", f"trainer.output_dir={tmp_path}/typo", cwd=tmp_path)
+    assert typo.returncode == 2 and typo.stderr.count("\n") == 1, typo.stderr
+    assert typo.stderr.startswith("selfcest: configuration error: unknown key trainer.stpes (did you mean "
+                                  "trainer.steps?); the keys of trainer: betas, cpu_threads, ")
+    assert not (tmp_path / "typo").exists()  # stopped before Hydra made the folder
 
 
 # ------------------------------------------------------------------ task keys
@@ -171,7 +181,7 @@ def task_config(tmp_path, *overrides: str):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["+task.params.split=train"], "task.params.split: task source 'jsonl' takes no 'split' (it takes path); remove it"),
+        (["+task.params.split=train"], "task.params.split: task source 'jsonl' takes no 'split' (it takes path, max_line_bytes); remove it"),
         (["+task.eval_params.split=test"], "task.eval_params.split: task source 'jsonl' takes no 'split'"),
         (["task.params.path=/no/such.jsonl"], "task.params.path: no file or folder '/no/such.jsonl'"),
         (["task=arithmetic", "task.params.n_train=abc"], "task.params.n_train must be int; got 'abc'"),
@@ -220,5 +230,5 @@ def test_a_paper_command_with_a_key_its_task_does_not_take_exits_2_in_one_line(t
     assert bad.returncode == 2, bad.stderr[-2000:]
     assert bad.stderr.strip().splitlines()[-1] == (
         "selfcest: configuration error: task.params.split: task source 'jsonl' takes no 'split' "
-        "(it takes path); remove it")
+        "(it takes path, max_line_bytes); remove it")
     assert "Traceback" not in bad.stderr

@@ -13,7 +13,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from selfcest.budget import Budget
 from selfcest.cli import register_schemas
-from selfcest.configure import CONFIG_DIR, ConfigError, build, compose, describe, validate
+from selfcest.configure import CONFIG_DIR, ConfigError, build, check_overrides, compose, describe, validate
 from selfcest.eval.config import EvalConfig
 from selfcest.train.config import ProtocolName, TrainConfig
 
@@ -101,3 +101,23 @@ def test_compose_works_inside_a_running_hydra_app():
         config = compose("train", ["experiment=controller_quick"], TrainConfig)
         assert config.name == "controller_quick"
         assert GlobalHydra.instance().hydra is outer
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.stpes=3", "unknown key trainer.stpes (did you mean trainer.steps?); the keys of trainer: betas, "),
+    ("+trainer.stpes=3", "unknown key trainer.stpes (did you mean trainer.steps?)"),
+    ("rollout.budgt.node_generation=0", "unknown key rollout.budgt (did you mean rollout.budget?)"),
+    ("trainer.steps.x=1", "trainer.steps is a setting, not a section: trainer.steps.x names nothing"),
+    ("algo.loss.aggregation=sum", "algo.loss.aggregation must be one of token_mean, seq_mean_token_mean, "
+                                  "tree_mean; got 'sum'"),
+])
+def test_a_typo_on_the_command_line_names_the_key_and_what_it_may_be(override, message):
+    with pytest.raises(ConfigError) as error:
+        check_overrides(TrainConfig, [override])
+    assert str(error.value).startswith(message)
+
+
+def test_groups_hydra_keys_free_form_mappings_and_interpolations_pass_to_hydra():
+    check_overrides(TrainConfig, ["model=tiny", "experiment=cpu_repro", "hydra.verbose=true", "--multirun",
+                                  "task.params.n_train=4", "+task.params.anything.deep=1", "eval.budgets=[1,2]",
+                                  "algo.credit.strategy=${oc.env:STRATEGY}", "model.lora=null", "trainer.schedule=cosine"])

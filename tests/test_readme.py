@@ -147,7 +147,8 @@ def test_training_defaults_line_runs_and_the_resume_line_continues_it(tmp_path):
     ok(small(DEFAULTS), tmp_path)
     run = tmp_path / "runs/default"
     first = (run / "metrics.jsonl").read_text()
-    ok(small(RESUME, "trainer.steps=2"), tmp_path)  # one step past the checkpoint
+    # One step past the checkpoint: a change of config the resume must be told it may make.
+    ok(small(RESUME, "trainer.steps=2", "'trainer.resume_changes=[trainer.steps]'"), tmp_path)
     # Appended to: a fresh run would rewrite step 1 (its timings differ).
     assert (run / "metrics.jsonl").read_text().startswith(first)
     assert [m["step"] for m in metrics(run)] == [1, 2]

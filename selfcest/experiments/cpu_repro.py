@@ -64,7 +64,7 @@ from selfcest.rewards.base import score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.task import Task
 from selfcest.tasks import TASKS, TEACHERS
-from selfcest.train.checkpoint import RESUME_LATEST, RESUME_OFF, resolve_resume
+from selfcest.train.checkpoint import RESUME_LATEST, RESUME_OFF, config_changes, resolve_resume, saved_config
 from selfcest.train.config import (
     EvaluationConfig,
     TrainConfig,
@@ -145,13 +145,16 @@ def train_arm(config: TrainConfig, start: Path, output: Path, view=None, log=say
 
     With ``trainer.resume=true`` an arm continues from its latest checkpoint in ``output``: a
     stopped arm trains the steps it had left, a finished one none (what differs from the
-    config it was trained under is logged)."""
+    config it was trained under is logged, and refused unless ``trainer.resume_changes``
+    allows it)."""
     config = copy.deepcopy(config)
     config.warm_start.policy = str(start)  # the shared warm start already happened
     config.trainer.output_dir = str(output)
     checkpoint = resolve_resume(config.trainer.resume, output)
     if checkpoint is not None:
-        log(f"resuming {output} from {checkpoint.name}{config_changes(output / 'config.json', config)}")
+        changed = config_changes(saved_config(checkpoint) or {}, asdict(config))
+        differed = f"; its config differed in {', '.join(changed)}" if changed else ""
+        log(f"resuming {output} from {checkpoint.name}{differed}")
     tasks = {}
     if view is not None:
         tasks["train_tasks"] = [view(task) for task in load_split(config.task, "train")]
@@ -165,30 +168,6 @@ def train_arm(config: TrainConfig, start: Path, output: Path, view=None, log=say
     if ran or not (output / "policy").exists():
         trainer.policy.save_pretrained(output / "policy")
     return trainer.policy, read_metrics(output / "metrics.jsonl")
-
-
-def config_changes(saved: Path, config: TrainConfig) -> str:
-    """``"; its config differed in a.b, c.d"``: the keys of ``config`` whose values differ from
-    the run config saved at ``saved`` (not the output folder, resumption, logging or the
-    evaluation, which do not change what is trained); empty when none do."""
-    if not saved.exists():
-        return ""
-    before, now = flat(json.loads(saved.read_text())), flat(json.loads(json.dumps(asdict(config), default=str)))
-    ignored = ("trainer.output_dir", "trainer.resume", "log.", "eval.")
-    changed = sorted(key for key in before.keys() | now.keys()
-                     if before.get(key) != now.get(key) and not key.startswith(ignored))
-    return f"; its config differed in {', '.join(changed)}" if changed else ""
-
-
-def flat(data: dict, prefix: str = "") -> dict:
-    """A nested dict as ``{"a.b": value}``."""
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 @contextmanager

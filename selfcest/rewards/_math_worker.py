@@ -1,9 +1,8 @@
 """The math-verify worker process behind `selfcest.rewards.math.MathVerifier`.
 
-Run as ``python -m selfcest.rewards._math_worker``. It prints ``{"ready": true}`` once
-math-verify is imported (or ``{"ready": false, "error": ...}``), then answers each JSON line
-``{"predictions": [...], "gold": "...", "max_digits": N}`` on stdin with one JSON line
-``{"verdict": ...}`` on stdout, until stdin closes.
+Run as ``python -m selfcest.rewards._math_worker`` (a `selfcest.rewards.worker` process). It
+says it is ready once math-verify is imported, then answers each JSON line ``{"predictions":
+[...], "gold": "...", "max_digits": N}`` on stdin with one JSON line ``{"verdict": ...}``.
 
 Why a process: both `math_verify.parse` and `math_verify.verify` can run for hours on short
 inputs (``9^9^9^9`` is parsed as a power tower that ``verify`` tries to expand;
@@ -17,10 +16,11 @@ answers whose parsed value is provably astronomically large are rejected before 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
+
+from selfcest.rewards.worker import serve
 
 LOG10_2 = math.log10(2)
 # log10 bounds above this are treated as infinite (10**MAX_LOG10 would overflow a float).
@@ -123,33 +123,19 @@ def compare(predictions: list[str], gold: str, max_digits: float) -> str:
     return verdict
 
 
-def serve() -> None:
-    out = sys.stdout
-    sys.stdout = sys.stderr  # nothing but verdicts may reach the parent's pipe
+def setup() -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # the timeout-disabled notice
     # Integers above 4300 digits cannot be printed by default and sympy prints while comparing;
     # screening (max_digits) and the parent's timeout bound what this unlocks.
     if hasattr(sys, "set_int_max_str_digits"):  # Python >= 3.10.7
         sys.set_int_max_str_digits(0)
-    try:
-        import math_verify  # noqa: F401
-        import sympy  # noqa: F401
-    except ImportError as error:
-        out.write(json.dumps({"ready": False, "error": str(error)}) + "\n")
-        out.flush()
-        return
-    out.write(json.dumps({"ready": True}) + "\n")
-    out.flush()
-    for line in sys.stdin:
-        try:
-            request = json.loads(line)
-            verdict = compare(request["predictions"], request["gold"], request["max_digits"])
-            response = {"verdict": verdict}
-        except Exception as error:  # one bad answer must not take the worker down
-            response = {"verdict": "error", "detail": f"{type(error).__name__}: {error}"[:300]}
-        out.write(json.dumps(response) + "\n")
-        out.flush()
+    import math_verify  # noqa: F401
+    import sympy  # noqa: F401
+
+
+def answer(request: dict) -> dict:
+    return {"verdict": compare(request["predictions"], request["gold"], request["max_digits"])}
 
 
 if __name__ == "__main__":
-    serve()
+    serve(answer, setup)

@@ -57,6 +57,8 @@ DIAGNOSTICS = {
     "math/gold_unparsed": "gold_unparsed",  # ... nor the reference
     "math/timeout": "timeout",  # a comparison ran past its time limit
     "math/error": "verify_error",  # the verifier failed
+    "errors": "reward_errors",  # the reward function failed (`selfcest.rewards.guard`)
+    "timeouts": "reward_timeouts",  # ... or ran past task.reward_timeout_s
 }
 
 

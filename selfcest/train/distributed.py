@@ -7,7 +7,8 @@ call it at the same point of its code.
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
@@ -37,6 +38,29 @@ def gather(accelerator: Accelerator, value: Any) -> list:
     if accelerator.num_processes == 1:
         return [value]
     return gather_object([value])
+
+
+T = TypeVar("T")
+
+
+def decided_by_main(accelerator: Accelerator, decide: Callable[[], T]) -> T:
+    """``decide()`` run on the main process only, its result handed to every process, or its
+    error raised on every one (a decision on shared files, taken once: the run's lock, the
+    checkpoint to resume)."""
+    result, problem = None, None
+    if accelerator.is_main_process:
+        try:
+            result = decide()
+        except Exception as error:  # raised below, on every process
+            problem = error
+    if accelerator.num_processes > 1:
+        failure = None if problem is None else (type(problem), str(problem))
+        result, failure = gather(accelerator, (result, failure))[0]
+        if problem is None and failure is not None:
+            problem = failure[0](failure[1])
+    if problem is not None:
+        raise problem
+    return result
 
 
 def sum_over_processes(accelerator: Accelerator, values: dict[str, float]) -> dict[str, float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -84,13 +85,17 @@ class RunLogger:
         wandb_project: str = "selfcest",
         run_name: str = "default",
         tensorboard: bool = False,
-        resume: bool = False,
+        resume_step: int | None = None,
     ) -> None:
+        """``resume_step``: the step a resumed run starts after; its file keeps the rows up to
+        that step (rows a stopped run logged after its checkpoint are trained again) and
+        appends. None: a fresh run starts a new file."""
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.output_dir / "metrics.jsonl"
-        # A resumed run appends; a fresh run starts a new file.
-        self._file = self.metrics_path.open("a" if resume else "w")
+        if resume_step is not None:
+            _keep_rows_until(self.metrics_path, resume_step)
+        self._file = self.metrics_path.open("a" if resume_step is not None else "w")
         (self.output_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
         self._wandb = None
         if wandb_mode != "disabled":
@@ -129,6 +134,23 @@ class RunLogger:
             self._wandb.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def _keep_rows_until(path: Path, step: int) -> None:
+    """Rewrite ``path`` (atomically) with its rows up to ``step``; a line cut short by a
+    killed process, which no row can be read from, goes too."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:

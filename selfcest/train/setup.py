@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from selfcest.configure import ConfigError
 from selfcest.policy import SIZES, ClonePolicy, apply_lora
 from selfcest.protocol import Protocol
 from selfcest.rewards.base import RewardFn, load_reward
+from selfcest.rewards.guard import RewardProcess
 from selfcest.task import Task
-from selfcest.train.checkpoint import resolve_resume
+from selfcest.train.checkpoint import check_resume_config, resolve_resume
 from selfcest.train.config import (
     SMOLLM2,
     DType,
@@ -30,12 +32,15 @@ from selfcest.train.config import (
     load_split,
     validate,
 )
-from selfcest.train.distributed import start_accelerator
+from selfcest.train.distributed import decided_by_main, start_accelerator
+from selfcest.train.lifecycle import RunLock
 from selfcest.train.sft import train_sft
 from selfcest.train.sharding import check_model, is_sharded
 from selfcest.train.traces import demonstrations
 from selfcest.train.trainer import GRPOTrainer
 from selfcest.tree import CloneTree
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,11 +65,17 @@ def build_policy(config: TrainConfig, name: str | None = None) -> ClonePolicy:
 
 
 def build_reward(config: TrainConfig) -> RewardFn:
-    """The reward named by ``task.reward`` (a factory is called with ``task.reward_params``)."""
+    """The reward named by ``task.reward`` (a factory is called with ``task.reward_params``),
+    loaded here first so that a bad spec fails before any compute; with
+    ``task.reward_timeout_s``, called in a worker process (`RewardProcess`)."""
+    task = config.task
     try:
-        return load_reward(config.task.reward, config.task.reward_params)
+        reward = load_reward(task.reward, task.reward_params)
     except ValueError as error:
         raise ConfigError(f"task.reward: {error}") from None
+    if task.reward_timeout_s is None:
+        return reward
+    return RewardProcess(task.reward, task.reward_params, task.reward_timeout_s)
 
 
 def held_out_tasks(config: TrainConfig) -> list[Task]:
@@ -137,30 +148,58 @@ def build_trainer(
     """A `GRPOTrainer` for ``config``, ready to ``train()``.
 
     Each part given replaces the one the config describes (a policy from a notebook, tasks
-    of your own, a reward function object, a backend). The order: validate; the reward, the
-    tasks and the checkpoint to resume; the accelerator (refusing unsupported distributed
-    setups); the policy (``warm_start.policy`` if set, else ``model``); the warm start, unless
-    resuming or starting from a saved one (every process runs it identically, so they
-    agree); then the trainer.
+    of your own, a reward function object, a backend). The order: validate; the reward and
+    the tasks; the accelerator (refusing unsupported distributed setups); the output folder's
+    lock and the checkpoint to resume, whose config must match (`resume_checkpoint`); the
+    policy (``warm_start.policy`` if set, else ``model``); the warm start, unless resuming or
+    starting from a saved one (every process runs it identically, so they agree); then the
+    trainer, which holds the lock until ``close()``.
     """
     validate(config)
     trainer = config.trainer
+    if reward_fn is not None and config.task.reward_timeout_s is not None:
+        raise ConfigError("task.reward_timeout_s runs the reward task.reward names in a worker process; a "
+                          "reward_fn given in Python runs in this one: pass none, or set task.reward_timeout_s=null")
     reward_fn = reward_fn or build_reward(config)
     train_tasks = list(train_tasks) if train_tasks is not None else load_split(config.task, "train")
     if eval_tasks is None:
         eval_tasks = load_split(config.task, "eval") if trainer.eval_every else []
-    resume_from = resolve_resume(trainer.resume, trainer.output_dir)
     if trainer.cpu_threads:
         torch.set_num_threads(trainer.cpu_threads)
     accelerator = start_accelerator(trainer.seed)
-    saved = config.warm_start.policy
-    policy = policy or build_policy(config, saved)
-    if is_sharded(accelerator):
-        check_model(policy.model)
-    if resume_from is None and config.warm_start.tasks and saved is None:
-        logged_warm_start(policy, config, Path(trainer.output_dir))
-        if backend is not None:
-            backend.sync_weights(policy.model)  # it was built before the warm start
-    return GRPOTrainer(config, accelerator, policy, train_tasks, reward_fn,
-                       eval_tasks=list(eval_tasks)[: config.task.eval_size], backend=backend,
-                       resume_from=resume_from)
+    held: list[RunLock] = []
+
+    def claim_output() -> Path | None:
+        held.append(RunLock.acquire(trainer.output_dir))
+        return resume_checkpoint(config)
+
+    try:
+        resume_from = decided_by_main(accelerator, claim_output)
+        saved = config.warm_start.policy
+        policy = policy or build_policy(config, saved)
+        if is_sharded(accelerator):
+            check_model(policy.model)
+        if resume_from is None and config.warm_start.tasks and saved is None:
+            logged_warm_start(policy, config, Path(trainer.output_dir))
+            if backend is not None:
+                backend.sync_weights(policy.model)  # it was built before the warm start
+        return GRPOTrainer(config, accelerator, policy, train_tasks, reward_fn,
+                           eval_tasks=list(eval_tasks)[: config.task.eval_size], backend=backend,
+                           resume_from=resume_from, lock=held[0] if held else None)
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
+
+
+def resume_checkpoint(config: TrainConfig) -> Path | None:
+    """The checkpoint ``trainer.resume`` names (`resolve_resume`), refused if the config
+    differs from the one it was trained under in a key ``trainer.resume_changes`` does not
+    allow; the allowed changes are logged."""
+    trainer = config.trainer
+    folder = resolve_resume(trainer.resume, trainer.output_dir)
+    if folder is not None:
+        changes = check_resume_config(folder, dataclasses.asdict(config), trainer.resume_changes)
+        for key, (before, now) in changes.items():
+            logger.info("resuming %s with %s changed: %r -> %r (trainer.resume_changes)", folder, key, before, now)
+    return folder

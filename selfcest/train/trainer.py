@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import logging
+import math
 import random
 import statistics
 import time
@@ -40,10 +42,11 @@ from tqdm.auto import tqdm
 from selfcest.algo.advantages import compute_advantages
 from selfcest.algo.credit import CREDIT
 from selfcest.algo.losses import combine_stats, per_token_loss, token_choice_entropy, token_entropy
-from selfcest.configure import ConfigError
+from selfcest.configure import ConfigError, RunError
 from selfcest.policy import (ClonePolicy, forward_logprobs, left_pad, set_activation_checkpointing,
                              supports_packing)
 from selfcest.rewards.base import RewardFn, progress_summary, score_trees
+from selfcest.rewards.guard import GuardedReward
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.hf import HFBackend
 from selfcest.rollout.backends.vllm import VLLMBackend
@@ -60,7 +63,7 @@ from selfcest.train.batching import (
     samples_from_trees,
     split_for_optimizer_steps,
 )
-from selfcest.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from selfcest.train.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
 from selfcest.train.config import TrainConfig
 from selfcest.train.distributed import (
     gather,
@@ -68,10 +71,20 @@ from selfcest.train.distributed import (
     mean_over_processes,
     sum_over_processes,
 )
+from selfcest.train.lifecycle import RunLock, StopSignals
 from selfcest.train.logging import PhaseTimer, RunLogger, tree_metrics
 from selfcest.train.schedule import lr_lambda
 from selfcest.train.sharding import full_weights, is_sharded
 from selfcest.tree import CloneTree
+
+logger = logging.getLogger(__name__)
+
+
+def _nan_logprobs(tree: CloneTree) -> bool:
+    """Whether a tree was sampled with a NaN logprob: the policy's outputs are not numbers
+    (a sum is NaN if any term is, and costs a C loop per segment)."""
+    return any(math.isnan(sum(segment.logprobs)) for node in tree.nodes.values() for segment in node.segments
+               if segment.trainable)
 
 
 class TaskSampler:
@@ -111,14 +124,20 @@ class GRPOTrainer:
         eval_tasks: Sequence[Task] = (),
         backend=None,
         resume_from: Path | None = None,
+        lock: RunLock | None = None,
     ) -> None:
         """Parts built by `selfcest.train.setup.build_trainer` (use that): the config (already
         validated), the accelerator, the (warm-started) policy, the tasks, the reward, an
-        optional backend to roll out with, and the checkpoint to resume from."""
-        self.config, self.accelerator = config, accelerator
+        optional backend to roll out with, the checkpoint to resume from, and the output
+        folder's lock (released by `close`)."""
+        self.config, self.accelerator, self.lock = config, accelerator, lock
+        self.stopped_by: str | None = None  # the signal that stopped `train` early, if any
+        self.nonfinite_in_row = 0  # updates skipped in a row for a non-finite loss or gradient
         acc = accelerator
         trainer = config.trainer
-        self.train_tasks, self.eval_tasks, self.reward_fn = list(train_tasks), list(eval_tasks), reward_fn
+        self.train_tasks, self.eval_tasks = list(train_tasks), list(eval_tasks)
+        # A reward that fails on a tree scores it 0, counted; a step whose rewards all fail stops.
+        self.reward_fn = reward_fn if isinstance(reward_fn, GuardedReward) else GuardedReward(reward_fn)
         self.sharded = is_sharded(acc)
         # FSDP frees the gathered weights after each forward, so the graph of a first pass over
         # shared prompts cannot be backpropagated after a second pass: rows run whole there.
@@ -165,7 +184,7 @@ class GRPOTrainer:
         if acc.is_main_process:
             self.logger = RunLogger(trainer.output_dir, asdict(config), config.log.wandb,
                                     config.log.wandb_project, config.name, config.log.tensorboard,
-                                    resume=resume_from is not None)
+                                    resume_step=self.state.step if resume_from is not None else None)
         self.resumed_from = resume_from
 
     # ------------------------------------------------------------------ setup helpers
@@ -226,29 +245,38 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> list[dict[str, float]]:
-        """Run until `trainer.steps`; return the metrics of every step run."""
+        """Run until `trainer.steps`; return the metrics of every step run. SIGTERM or SIGINT
+        stops it after the step it arrives in, with a checkpoint (`stopped_by` names it)."""
         trainer = self.config.trainer
         history = []
         progress = None
         if self.accelerator.is_main_process and self.config.log.progress:
             progress = tqdm(total=trainer.steps, initial=self.state.step, desc=self.config.name)
         try:
-            while self.state.step < trainer.steps:
-                metrics = self.step()
-                history.append(metrics)
-                if progress is not None:
-                    progress.update(1)
-                    progress.set_postfix(progress_summary(metrics))
-                if trainer.save_every and self.state.step % trainer.save_every == 0:
-                    self.save()
+            with StopSignals() as signals:
+                while self.state.step < trainer.steps and not self._stop_requested(signals):
+                    metrics = self.step()
+                    history.append(metrics)
+                    if progress is not None:
+                        progress.update(1)
+                        progress.set_postfix(progress_summary(metrics))
+                    if trainer.save_every and self.state.step % trainer.save_every == 0:
+                        self.save()
             saved = trainer.save_every and self.state.step % trainer.save_every == 0
             # A run resumed at its last step ran nothing: its checkpoint is already there.
-            if trainer.save_final and not saved and history:
+            if (trainer.save_final or self.stopped_by) and not saved and history:
                 self.save()
         finally:
             if progress is not None:
                 progress.close()
         return history
+
+    def _stop_requested(self, signals: StopSignals) -> bool:
+        """Whether a stop signal reached any process (all of them then stop at this step)."""
+        received = gather(self.accelerator, signals.received)
+        if any(received):
+            self.stopped_by = next(name for name in received if name)
+        return self.stopped_by is not None
 
     def step(self) -> dict[str, float]:
         """One training step (rollout, scoring, update, sync); returns its metrics."""
@@ -262,7 +290,9 @@ class GRPOTrainer:
 
         mark = time.perf_counter()
         by_id = {t.id: t for t in local}
+        self.reward_fn.failures.clear()
         score_trees(trees, by_id, self.reward_fn)
+        self._check_rewards(trees)
         credit = self.config.algo.credit
         if CREDIT[credit.strategy].prepare is not None:  # e.g. counterfactual re-runs
             rerun_engine = self.engine(self._step_seed(self.state.step) ^ 0x5EED)
@@ -292,11 +322,32 @@ class GRPOTrainer:
         self._log(metrics, trees)
         return metrics
 
+    def _check_rewards(self, trees: Sequence[CloneTree]) -> None:
+        """Warn about the trees whose reward failed (scored 0 by `GuardedReward`); stop the run
+        if that is every tree of the step, on every process: nothing could be learned."""
+        failures = self.reward_fn.failures
+        counts = sum_over_processes(self.accelerator, {"failed": len(failures), "trees": len(trees)})
+        if not counts["failed"]:
+            return
+        first = failures[0] if failures else "on another process"
+        step = self.state.step + 1
+        if counts["failed"] == counts["trees"]:
+            raise RunError(f"step {step}: the reward failed on every tree ({first}); nothing can be learned "
+                           f"from rewards that all fail: fix task.reward={self.config.task.reward}")
+        logger.warning("step %d: the reward failed on %d of %d trees, scored 0 (first: %s)",
+                       step, counts["failed"], counts["trees"], first)
+
     # ------------------------------------------------------------------ the update
 
     def train_on_trees(self, trees: Sequence[CloneTree]) -> dict[str, float]:
-        """Advantages, samples and `optimizer_steps_per_step` updates on scored trees."""
+        """Advantages, samples and `optimizer_steps_per_step` updates on scored trees. Trees
+        sampled with NaN logprobs (weights that blew up) are not trained on: the whole update
+        counts as one non-finite update (`_count_nonfinite`)."""
         config = self.config
+        broken = sum_over_processes(self.accelerator, {"n": sum(map(_nan_logprobs, trees))})["n"]
+        if broken:
+            self._count_nonfinite(f"{broken:.0f} trees sampled with NaN logprobs")
+            return {"train/optimizer_steps": 0, "train/nonfinite_skipped": 1}
         advantages = compute_advantages(trees, config.algo.credit)
         samples = samples_from_trees(trees, advantages)
         samples, stale = self._handle_stale(samples)
@@ -336,7 +387,7 @@ class GRPOTrainer:
         proximal = self._proximal_logprobs(samples, micro, width) if recompute else None
         # Tree ids made unique across processes for tree_mean aggregation.
         tree_ids = [s.tree_id * acc.num_processes + acc.process_index for s in samples]
-        stats, grad_norms, trained_tokens, updates = [], [], 0, 0
+        stats, grad_norms, trained_tokens, updates, skipped = [], [], 0, 0, 0
         start = time.perf_counter()
         self.model.train()
         for step_batches in plan:
@@ -361,12 +412,12 @@ class GRPOTrainer:
                     stats.append(self._backward(rows, [weight_of[i] for i in batch], old, width, timer))
                     trained_tokens += sum(samples[i].length for i in batch)
             with timer("optimizer"):
-                if trainer.max_grad_norm:
-                    norm = acc.clip_grad_norm_(self.params, trainer.max_grad_norm)
-                    grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                norm = self._optimizer_step()
+            if norm is None:
+                skipped += 1
+                continue
+            if trainer.max_grad_norm:
+                grad_norms.append(norm)
             updates += 1
         elapsed = time.perf_counter() - start
         counted = [s for s in stats if s["tokens"]]
@@ -382,7 +433,42 @@ class GRPOTrainer:
             "train/padding_frac": padding_fraction(lengths, micro, width), **timer.metrics()}))
         metrics["train/optimizer_steps"] = updates
         metrics["train/grad_norm"] = statistics.fmean(grad_norms) if grad_norms else 0.0
+        if skipped:
+            metrics["train/nonfinite_skipped"] = skipped
         return metrics
+
+    def _optimizer_step(self) -> float | None:
+        """Clip and apply the accumulated gradients; return their norm, or None when the loss
+        or the gradients were not finite: then the update is skipped as one without tokens
+        is (weights, optimizer and schedule stay), and `trainer.max_nonfinite_updates` of
+        those in a row stop the run."""
+        trainer = self.config.trainer
+        # Clipping at infinity scales by exactly 1: the norm of an unclipped run, same bits.
+        norm = self.accelerator.clip_grad_norm_(self.params, trainer.max_grad_norm or math.inf)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        finite = math.isfinite(norm)  # a non-finite loss gives non-finite gradients too
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.nonfinite_in_row = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        if not finite:
+            self._count_nonfinite(f"gradient norm {norm}")
+        return norm if finite else None
+
+    def _count_nonfinite(self, what: str) -> None:
+        """One more update skipped in a row for a non-finite loss, gradient or policy; at
+        `trainer.max_nonfinite_updates` in a row, stop the run."""
+        trainer = self.config.trainer
+        self.nonfinite_in_row += 1
+        logger.warning("step %d: update skipped: %s", self.state.step + 1, what)
+        if self.nonfinite_in_row >= trainer.max_nonfinite_updates:
+            latest = list_checkpoints(trainer.output_dir)
+            raise RunError(
+                f"step {self.state.step + 1}: {self.nonfinite_in_row} updates in a row were skipped for a "
+                f"non-finite loss, gradient or policy (last: {what}; trainer.max_nonfinite_updates); the "
+                f"learning rate (trainer.lr={trainer.lr:g}) may be too high. Last checkpoint: "
+                f"{latest[-1] if latest else 'none'}")
 
     @torch.no_grad()
     def _proximal_logprobs(self, samples: list[TrainingSample], micro: list[list[int]],
@@ -503,14 +589,25 @@ class GRPOTrainer:
             self.logger.save_trees(self.state.step, list(trees)[: self.config.log.trees_per_save])
 
     def save(self) -> Path:
+        """A checkpoint of the current state (`save_checkpoint`); weights that are not finite
+        are never saved."""
         acc = self.accelerator
+        bad = [name for name, p in self._unwrapped.named_parameters()
+               if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]  # a shard under FSDP
+        if any(gather(acc, bad)):
+            raise RunError(f"not saving step {self.state.step}: parameters are not finite "
+                           f"({', '.join(bad[:3]) or 'on another process'}); the last checkpoint is kept")
         return save_checkpoint(self.config.trainer.output_dir, self.state, self._unwrapped,
                                self.optimizer, self.scheduler, rank=acc.process_index,
-                               world_size=acc.num_processes, barrier=acc.wait_for_everyone,
-                               keep=self.config.trainer.keep_checkpoints)
+                               world_size=acc.num_processes, keep=self.config.trainer.keep_checkpoints,
+                               config=asdict(self.config))
 
     def close(self) -> None:
-        """Release the backend and close the logs."""
+        """Release the backend and the reward's worker, close the logs and give the output
+        folder's lock back."""
         self.backend.close()
+        self.reward_fn.close()
         if self.logger is not None:
             self.logger.close()
+        if self.lock is not None:
+            self.lock.release()

@@ -81,7 +81,7 @@ def test_a_stopped_arm_trains_the_steps_it_had_left(tiny_cpu_repro, tmp_path):
     train_arm(one_step, one_step.warm_start.policy, tmp_path / "arm", log=lambda message: None)
 
     messages = []
-    resumed = tiny_cpu_repro(tmp_path, "trainer.resume=true")
+    resumed = tiny_cpu_repro(tmp_path, "trainer.resume=true", "trainer.resume_changes=[trainer.steps]")
     _, history = train_arm(resumed, resumed.warm_start.policy, tmp_path / "arm", log=messages.append)
     assert messages == [f"resuming {tmp_path / 'arm'} from step_000001; its config differed in trainer.steps"]
     assert [row["step"] for row in history] == [1, 2]

@@ -102,7 +102,9 @@ def test_fsdp_trains_the_weights_ddp_trains(ddp, fsdp_folder):
 def test_a_sharded_checkpoint_resumes_in_one_process(fsdp_folder, tmp_path):
     folder, fsdp = fsdp_folder
     checkpoint = list_checkpoints(folder / "run")[-1]
-    trainer = build_trainer(small_config(tmp_path, steps=2, resume=str(checkpoint)))
+    # Another run's checkpoint, under another config: the weights are what this test checks.
+    changes = ["algo", "rollout", "task", "trainer"]
+    trainer = build_trainer(small_config(tmp_path, steps=2, resume=str(checkpoint), resume_changes=changes))
     assert trainer.state.step == 2
     mine = {n: p.detach() for n, p in trainer.policy.model.named_parameters()}
     assert_same(mine, fsdp[0]["weights"])

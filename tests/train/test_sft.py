@@ -41,7 +41,9 @@ def test_sft_learns_the_demonstrations(tmp_path):
     torch.manual_seed(0)
     policy = ClonePolicy.build_tiny(seed=5)
     tasks, trees = demo_trees(policy, n=3, seed=7)
-    history = train_sft(policy, trees, SFTConfig(steps=120, sequences_per_step=9, lr=1e-2, warmup_steps=5))
+    # Greedy decoding must follow what was learned on any CPU: 120 steps left one digit ahead
+    # of the next by a logit gap of 0.09 (float kernels moved it by 0.02); 200 leave >= 4.
+    history = train_sft(policy, trees, SFTConfig(steps=200, sequences_per_step=9, lr=1e-2, warmup_steps=5))
     assert history[-1]["sft/loss"] < 0.1 * history[0]["sft/loss"]
     engine = policy.engine(BUDGET, SamplingParams(temperature=0))
     for task, tree in zip(tasks, engine.rollout(tasks)):

@@ -4,29 +4,36 @@ clones, resume is exact."""
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 import os
 import random
 import statistics
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 from helpers import DEMO_CONTEXT, overfit
+from safetensors.torch import load_file
 
-from selfcest.algo.advantages import Advantages
+from selfcest.algo.advantages import Advantages, compute_advantages
 from selfcest.algo.credit import counterfactual_reruns
 from selfcest.budget import Budget
-from selfcest.configure import ConfigError
-from selfcest.policy import ClonePolicy, LoraSettings, build_tokenizer
+from selfcest.configure import ConfigError, RunError
+from selfcest.policy import ClonePolicy, LoraSettings, build_tokenizer, forward_logprobs
 from selfcest.protocol import SpawnRequest
-from selfcest.rewards.base import RewardResult, progress_summary, score_trees
+from selfcest.rewards.base import RewardResult, load_reward, progress_summary, score_trees
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.scripted import ScriptedBackend
+from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
 from selfcest.train import trainer as trainer_module
-from selfcest.train.batching import samples_from_trees
+from selfcest.train.batching import (make_micro_batches, packed_micro_batches, packing_width, padding_fraction,
+                                     samples_from_trees)
+from selfcest.train.checkpoint import list_checkpoints
 from selfcest.train.config import TrainConfig
 from selfcest.train.logging import PhaseTimer, read_metrics
 from selfcest.train.setup import build_policy, build_trainer
@@ -80,9 +87,13 @@ def test_two_steps_change_every_trainable_parameter(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "model.safetensors").exists()
 
 
+@pytest.mark.slow  # sampled trees: the margin, not the values, holds on every machine
 def test_a_few_steps_raise_the_reward_they_are_trained_on(tmp_path):
-    """The direction check: GRPO on the digit-share reward raises the digit share of fresh
-    samples (a flipped advantage sign lowers it)."""
+    """The direction check end to end: GRPO on the digit-share reward raises the digit share
+    of fresh samples (a flipped advantage sign lowers it). What is sampled follows the CPU's
+    float kernels; over trainer seeds 0-7 the share rose 3.7-6.7x (6.7-7.6x at seed 0 under
+    the default, avx2 and no-SIMD kernels), so 2x holds with room. The machine-independent
+    check: test_one_update_makes_what_was_rewarded_likelier."""
     trainer = build_trainer(small_config(tmp_path, steps=6, lr=1e-2, trees_per_prompt=8))
     tasks = trainer.train_tasks[:8]
 
@@ -95,6 +106,50 @@ def test_a_few_steps_raise_the_reward_they_are_trained_on(tmp_path):
     trainer.close()
     after = digit_share()
     assert after > 2 * before, (before, after)
+
+
+def turn_logprob(model, prompt: list[int], text_ids: list[int]) -> float:
+    ids = torch.tensor([prompt + text_ids])
+    with torch.no_grad():
+        return forward_logprobs(model, ids, torch.ones_like(ids))[0][0, len(prompt):].sum().item()
+
+
+@pytest.mark.parametrize("judged", ["root", "clone"])
+def test_one_update_makes_what_was_rewarded_likelier(tmp_path, tiny_policy, demo_task, judged):
+    """One update on test-written trees: a tree is rewarded for its root's answer (10, not
+    9), or for its L2 clone's (7, not 5: credit must reach clones). Afterwards the rewarded
+    turn has gained on the other by far more than float rounding could move them: one AdamW
+    step at lr 1e-2 moves the gap by 1.5 (clone) to 3 nats (root); both turns share most
+    tokens, so each alone may rise or fall; kernels differ by about 1e-5."""
+    good, bad = ("Answer: 10", "Answer: 9") if judged == "root" else ("Answer: 7", "Answer: 5")
+    turn = itertools.count()
+
+    def respond(prompt: str) -> str:
+        if judged == "root":
+            return [good, bad][next(turn) % 2]
+        if "</return>" in prompt.rsplit("<|im_start|>assistant\n", 1)[1]:
+            return "Answer: 10"
+        if "[L2]" in prompt:
+            return [good, bad][next(turn) % 2]
+        return "Answer: 3" if "[L1]" in prompt else "<spawn>sum @L1<sep>sum @L2</spawn>"
+
+    policy = ClonePolicy(copy.deepcopy(tiny_policy.model), tiny_policy.tokenizer, tiny_policy.protocol)
+    trees = scripted_trees(policy, [demo_task], respond)
+    for tree in trees:
+        node = tree.root if judged == "root" else next(c for c in tree.clones() if c.objective == "sum @L2")
+        tree.reward = float(node.answer == good.split()[-1])
+        tree.correct, tree.info["malformed_nodes"] = False, []
+    assert sorted(t.reward for t in trees) == [0.0, 0.0, 1.0, 1.0]
+    protocol, enc = policy.protocol, policy.protocol.encode
+    prompt = (protocol.root_prompt(demo_task) if judged == "root"
+              else protocol.clone_prompt(SpawnRequest("sum @L2", ("L2",)), DEMO_CONTEXT))
+    before = {text: turn_logprob(policy.model, prompt, enc(text + "<|im_end|>")) for text in (good, bad)}
+    trainer = build_trainer(small_config(tmp_path, lr=1e-2), policy=policy, train_tasks=[demo_task])
+    assert trainer.train_on_trees(trees)["train/optimizer_steps"] == 1
+    trainer.close()
+    after = {text: turn_logprob(policy.model, prompt, enc(text + "<|im_end|>")) for text in (good, bad)}
+    gain = (after[good] - after[bad]) - (before[good] - before[bad])
+    assert gain > 0.5, (before, after)
 
 
 def test_same_seed_same_run_whatever_ran_before(tmp_path):
@@ -145,8 +200,11 @@ def test_injected_and_prompt_tokens_get_exactly_zero_gradient(spawning_policy, d
     assert (grad[predicts_sampled].abs().sum(-1) > 0).all()
 
 
+@pytest.mark.slow  # sampled trees and trained weights: the margin holds, the values move
 def test_credit_reaches_clones(tmp_path):
-    """A reward that depends only on what clones answer changes what clones answer."""
+    """A reward that depends only on what clones answer changes what clones answer, end to
+    end over 20 sampled steps (test_one_update_makes_what_was_rewarded_likelier checks the
+    same direction on test-written trees, on any machine)."""
     policy = ClonePolicy.build_tiny(seed=2)
     task = Task("pick", "Add all numbers in L1 L2.", "?", DEMO_CONTEXT)
     p, enc = policy.protocol, policy.protocol.encode
@@ -366,26 +424,74 @@ def assert_same_update(first, second) -> None:
         assert torch.allclose(other_gradients[name], grad, rtol=1e-4, atol=1e-6 * scale), name
 
 
-def scored_trees(spawning_policy, tasks):
-    trees = spawning_policy.engine(Budget(max_depth=1, node_generation=16), SamplingParams()).rollout(tasks, 4)
+def scored(trees: list) -> list:
+    """``trees`` with rewards 0, 1, 2, 3 in each group of four."""
     for i, tree in enumerate(trees):
         tree.reward, tree.correct, tree.info["malformed_nodes"] = float(i % 4), False, []
     return trees
 
 
+def scripted_trees(policy: ClonePolicy, tasks, respond, per_task: int = 4) -> list:
+    """Trees whose every turn the test writes (``respond(prompt text)``), each sampled token
+    given its logprob under ``policy``'s model as a real backend records it. Their lengths,
+    hence micro-batches and padding, are the same on every machine (sampled trees' are not:
+    their tokens follow the CPU's float kernels)."""
+    backend = ScriptedBackend(policy.tokenizer, respond)
+    engine = RolloutEngine(backend, policy.protocol, Budget(max_depth=1, node_generation=16), SamplingParams())
+    trees = engine.rollout(tasks, per_task)
+    with torch.no_grad():
+        for node in (node for tree in trees for node in tree.nodes.values()):
+            ids = torch.tensor([node.context_ids()])
+            logp = forward_logprobs(policy.model, ids, torch.ones_like(ids))[0][0].tolist()
+            start = len(node.prompt_ids)
+            for segment in node.segments:
+                if segment.trainable:
+                    segment.logprobs = logp[start : start + len(segment.token_ids)]
+                start += len(segment.token_ids)
+    return trees
+
+
+def varied_script():
+    """A script whose trees of one group differ (identical trees get advantages that cancel):
+    the demo task's root delegates L1 and L2, both lists to one clone, or answers at once,
+    in turn; a clone answers the sum of its lists; the short task's root answers at once,
+    with a longer text every other time."""
+    turn = itertools.count()
+
+    def respond(prompt: str) -> str:
+        assistant = prompt.rsplit("<|im_start|>assistant\n", 1)[1]
+        n = next(turn)
+        if "</return>" in assistant:
+            return "Answer: 10"
+        if "L1 L2" in prompt:
+            return ["<spawn>sum @L1<sep>sum @L2</spawn>", "<spawn>sum @L1 @L2</spawn>", "Answer: 9"][n % 3]
+        if "[L1]" in prompt:
+            return "Answer: 10" if "[L2]" in prompt else "Answer: 3"
+        return "Answer: 7" if "[L2]" in prompt else ["Answer: 0", "I think it is zero. Answer: 0"][n % 2]
+    return respond
+
+
 def test_packed_rows_train_exactly_as_one_sample_per_row(tmp_path, spawning_policy, demo_task):
     """The same trees (roots and clones of different lengths) give the same update packed
-    and unpacked, with less padding packed: packed samples see only themselves."""
-    tasks = [demo_task, Task("short", "Hi.", "0", {})]  # short roots: two share a packed row
-    trees = scored_trees(spawning_policy, tasks)
+    and unpacked: packed samples see only themselves. Packing's other promise, less
+    padding, is counted on these test-written lengths: several short samples share a row."""
+    tasks = [demo_task, Task("short", "Hi.", "0", {})]
+    trees = scored(scripted_trees(spawning_policy, tasks, varied_script()))
     results = {}
     for packing in (False, True):
         # Rows run whole unpacked too (shared prompts: the next test).
         config = small_config(tmp_path / str(packing), packing=packing, share_prompt_forward=False, lr=1e-2)
         config.algo.loss.kl_coef = 0.1  # the reference forward packs too
         results[packing] = one_update(config, spawning_policy, trees, tasks)
-    assert results[True][0]["train/padding_frac"] < results[False][0]["train/padding_frac"]
     assert_same_update(results[False], results[True])
+    lengths = [s.length for s in samples_from_trees(trees, compute_advantages(trees, config.algo.credit))]
+    budget = config.trainer.tokens_per_micro_batch
+    width = packing_width(lengths, budget)
+    packed = padding_fraction(lengths, packed_micro_batches(lengths, budget), width)
+    unpacked = padding_fraction(lengths, make_micro_batches(
+        lengths, budget, pass_overhead_tokens=config.trainer.pass_overhead_tokens))
+    assert (results[True][0]["train/padding_frac"], results[False][0]["train/padding_frac"]) == (packed, unpacked)
+    assert packed < unpacked
 
 
 def test_shared_prompts_train_as_one_pass_per_row(tmp_path, spawning_policy, demo_task, monkeypatch):
@@ -393,7 +499,7 @@ def test_shared_prompts_train_as_one_pass_per_row(tmp_path, spawning_policy, dem
     prompt run once in the policy's forward as with every row run whole (the reference, a
     separate model here, shares its prompts too)."""
     tasks = [demo_task, Task("short", "Hi.", "0", {})]
-    trees = scored_trees(spawning_policy, tasks)
+    trees = scored(scripted_trees(spawning_policy, tasks, varied_script()))
     results, rows_seen, cuts, cut = {}, {}, {}, trainer_module.make_micro_batches
     for share in (False, True):
         config = small_config(tmp_path / str(share), share_prompt_forward=share, lr=1e-2)
@@ -541,3 +647,90 @@ def test_each_step_logs_how_often_roots_delegate_at_each_task_size(tmp_path, spa
     trainer.close()
     assert metrics == {"decision/p_delegate": 2 / 3, "decision/p_delegate/size_2": 0.5,
                        "decision/p_delegate/size_3": 1.0}
+
+
+def test_trees_whose_reward_fails_score_0_counted_and_nan_never_reaches_the_loss(tmp_path, caplog):
+    """Of each group of 4 trees one reward raises, one returns NaN, one a string: those score
+    0, reward/errors logs 3/4, the loss and the weights stay finite, and the run goes on."""
+    digits = load_reward(small_config(tmp_path).task.reward)
+
+    def moody(tree, task):
+        kind = tree.sample_index % 4
+        if kind == 0:
+            raise ValueError("boom")
+        return [None, RewardResult(math.nan, False), RewardResult("high", False), digits(tree, task)][kind]
+
+    trainer = build_trainer(small_config(tmp_path, steps=2, lr=1e-2), reward_fn=moody)
+    with caplog.at_level("WARNING"):
+        history = trainer.train()
+    trainer.close()
+    assert [row["reward/errors"] for row in read_metrics(tmp_path / "run/metrics.jsonl")] == [0.75, 0.75]
+    assert "step 1: the reward failed on 12 of 16 trees, scored 0 (first: tree " in caplog.text
+    assert "#0: ValueError: boom" in caplog.text
+    assert all(math.isfinite(h["loss/pg_loss"]) and h["train/optimizer_steps"] == 1 for h in history)
+    assert all(torch.isfinite(p).all() for p in trainer.policy.model.parameters())
+
+
+def test_a_run_whose_rewards_all_fail_stops_saying_why(tmp_path):
+    trainer = build_trainer(small_config(tmp_path, steps=3, save_every=1), reward_fn=lambda tree, task: math.nan)
+    with pytest.raises(RunError, match=r"step 1: the reward failed on every tree \(tree .*#0: returned nan, not a "
+                                       r"RewardResult\); nothing can be learned from rewards that all fail"):
+        trainer.train()
+    trainer.close()
+    assert not (tmp_path / "run/checkpoints").exists()
+    assert (tmp_path / "run/metrics.jsonl").read_text() == ""
+
+
+def test_a_hanging_reward_is_cut_off_by_its_timeout_and_counted(tmp_path):
+    """task.reward_timeout_s: the reward runs in a worker process; the one call that hangs
+    is cut off, its tree scores 0 (reward/timeouts: 1 of 16 trees) and the run finishes."""
+    config = small_config(tmp_path, steps=1)
+    spec = config.task.reward
+    (tmp_path / "hangs.py").write_text(
+        f"import time\nfrom selfcest.rewards.base import load_reward\ndigits = load_reward({spec!r})\n"
+        "def reward(tree, task):\n"
+        "    if tree.task_index == 0 and tree.sample_index == 0:\n        time.sleep(60)\n"
+        "    return digits(tree, task)\n")
+    config.task.reward, config.task.reward_timeout_s = f"{tmp_path / 'hangs.py'}:reward", 1.0
+    with pytest.raises(ConfigError, match="a reward_fn given in Python runs in this one"):
+        build_trainer(config, reward_fn=lambda tree, task: RewardResult(0.0, False))
+    trainer = build_trainer(config)
+    start = time.monotonic()
+    (metrics,) = trainer.train()
+    trainer.close()
+    assert time.monotonic() - start < 60  # the hang alone would take that (uncut, the test fails)
+    assert metrics["reward/timeouts"] == 1 / 16 and "reward/errors" not in metrics
+
+
+def test_updates_with_non_finite_gradients_are_skipped_counted_and_stop_the_run(tmp_path):
+    """Every backward pass here gives one parameter NaN gradients: each update is skipped
+    (no weight, optimizer or schedule moves) and counted; the second in a row stops the run."""
+    config = small_config(tmp_path, steps=4, lr=1e-2)
+    config.trainer.max_nonfinite_updates = 2
+    trainer = build_trainer(config)
+    before = params_of(trainer.policy.model)
+    trainer.policy.model.get_output_embeddings().weight.register_hook(lambda grad: grad * math.nan)
+    with pytest.raises(RunError, match=r"step 2: 2 updates in a row were skipped for a non-finite loss, gradient "
+                                       r"or policy \(last: gradient norm nan; trainer.max_nonfinite_updates\)"):
+        trainer.train()
+    trainer.close()
+    (row,) = read_metrics(tmp_path / "run/metrics.jsonl")
+    assert (row["train/nonfinite_skipped"], row["train/optimizer_steps"]) == (1, 0)
+    assert all(torch.equal(before[n], p) for n, p in trainer.policy.model.named_parameters())
+    assert not trainer.optimizer.state and trainer.scheduler.last_epoch == 0
+
+
+def test_a_learning_rate_that_blows_up_stops_the_run_without_saving_nan(tmp_path):
+    """lr 1e30: the first update leaves weights near 1e30, whose logits overflow, so every
+    later tree is sampled with NaN logprobs. Those updates are skipped and counted; the
+    third in a row stops the run. Every checkpoint saved holds finite weights."""
+    trainer = build_trainer(small_config(tmp_path, steps=8, lr=1e30, save_every=1, keep_checkpoints=8))
+    with pytest.raises(RunError, match=r"step 4: 3 updates in a row .*\(last: 16 trees sampled with NaN logprobs; "
+                                       r".*the learning rate \(trainer.lr=1e\+30\) may be too high. Last checkpoint: "
+                                       r".*step_000003"):
+        trainer.train()
+    trainer.close()
+    rows = read_metrics(tmp_path / "run/metrics.jsonl")
+    assert [row.get("train/nonfinite_skipped", 0) for row in rows] == [0, 1, 1]
+    for folder in list_checkpoints(tmp_path / "run"):
+        assert all(torch.isfinite(t).all() for t in load_file(folder / "model.safetensors").values())
