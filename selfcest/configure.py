@@ -303,7 +303,9 @@ def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults
     @hydra.main(config_path=str(CONFIG_DIR), config_name=config_name, version_base="1.3")
     def app(cfg: DictConfig) -> None:
         try:
-            run(build(kind, cfg))
+            config = build(kind, cfg)
+            validate(config)  # every app fails here on a bad key or a missing package, before compute
+            run(config)
         except (ConfigError, FileNotFoundError) as error:
             print(f"selfcest: configuration error: {error}", file=sys.stderr)
             sys.exit(2)

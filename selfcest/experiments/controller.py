@@ -42,7 +42,7 @@ from selfcest.cli import register_schemas
 from selfcest.configure import hydra_app
 from selfcest.eval.decisions import Decision, Mode, per_size, per_task, paired_gap, sample_decisions
 from selfcest.experiments.controller_report import write_controller_report
-from selfcest.experiments.cpu_repro import say, timed, train_arm, warm_start_folder
+from selfcest.experiments.cpu_repro import load_policy, say, timed, train_arm, warm_start_folder
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.task import Task
@@ -143,7 +143,7 @@ def run(config: TrainConfig, log=say) -> dict:
         trained, history = train_arm(config, out / "sft", out / "rl")
     with timed(timings, "decisions", log):
         tasks = held_out_by_size(config)
-        policies = {"warm start": ClonePolicy.from_pretrained(out / "sft"), "RL": trained}
+        policies = {"warm start": load_policy(config, out / "sft"), "RL": trained}
         decisions = {name: measure(config, policy, tasks) for name, policy in policies.items()}
         with open(out / "decisions.jsonl", "w") as file:
             file.writelines(json.dumps({"policy": name, **asdict(d)}) + "\n"

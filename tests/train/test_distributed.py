@@ -165,20 +165,58 @@ def test_one_engine_per_node_on_two_nodes(tmp_path):
         assert_same(ranks[0]["weights"], other["weights"])
 
 
-@pytest.mark.vllm
-@pytest.mark.distributed
-def test_one_vllm_engine_serves_the_node(tmp_path):
+CPU_ENGINE = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+
+
+def launch_vllm(tmp_path: Path, mode: str, port: int) -> list[dict]:
     """Run in the vLLM environment: .venv-vllm/bin/python -m pytest -m vllm tests/train/test_distributed.py"""
     pytest.importorskip("vllm")
-    cpu_engine = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                  "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
-    ranks = launch(tmp_path / "run", "node_vllm", 29539, env=cpu_engine)
-    assert [r["backend"] for r in ranks] == ["VLLMBackend", "FollowerBackend"]
-    # Every sync verified by the leader's probe (a failed one raises); the follower's trees
-    # carried the version it was told, so none was refused as stale.
+    return launch(tmp_path / "run", mode, port, env={**CPU_ENGINE, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")})
+
+
+@pytest.mark.vllm
+@pytest.mark.distributed
+def test_every_process_runs_its_own_vllm_engine(tmp_path):
+    """Data parallel, an engine per process through vLLM's external launcher (its worker is
+    this process, on this process's device), weights handed over in memory."""
+    ranks = launch_vllm(tmp_path, "vllm", 29541)
+    assert [r["backend"] for r in ranks] == ["VLLMBackend"] * 2 and [r["sync"] for r in ranks] == ["tensors"] * 2
     assert [r["stale_refused"] for r in ranks] == [0, 0]
     assert ranks[0]["changed"] == ranks[0]["trainable"]
     assert_same(ranks[0]["weights"], ranks[1]["weights"])
+    # Recomputed old logprobs by default; float32 engines: rounding only.
+    assert all(r["logprob_diff_max"] <= 1e-4 for r in ranks)
     # Resuming builds a second trainer after closing the first: closing the engine must
     # leave the trainer's process group alone (vLLM's own shutdown destroys it).
+    assert all(r["resumed_equal"] for r in ranks)
+
+
+@pytest.mark.vllm
+@pytest.mark.distributed
+def test_one_vllm_engine_serves_the_node(tmp_path):
+    """One tensor-parallel engine over the node's two processes: each holds its shard and
+    loads its weights in memory; the first drives the rollout and the other replays its
+    engine's steps, so their collectives match."""
+    ranks = launch_vllm(tmp_path, "node_vllm", 29539)
+    assert [r["backend"] for r in ranks] == ["VLLMBackend"] * 2 and [r["follower"] for r in ranks] == [False, True]
+    assert [r["sync"] for r in ranks] == ["tensors"] * 2
+    # Every sync verified by each process's probe (a failed one raises); the follower's
+    # trees carried the version it was told, so none was refused as stale.
+    assert [r["stale_refused"] for r in ranks] == [0, 0]
+    assert ranks[0]["changed"] == ranks[0]["trainable"]
+    assert_same(ranks[0]["weights"], ranks[1]["weights"])
+    assert all(r["resumed_equal"] for r in ranks)
+
+
+@pytest.mark.vllm
+@pytest.mark.distributed
+def test_fsdp_streams_its_shards_into_vllm(tmp_path):
+    """Sharded training keeps no full rollout copy with vLLM: each tensor is gathered whole
+    and streamed into the engine, and the proximal and reference passes run sharded."""
+    ranks = launch_vllm(tmp_path, "fsdp_vllm", 29542)
+    assert all(r["sharded"] for r in ranks) and not any(r["rollout_copy"] for r in ranks)
+    assert [r["sync"] for r in ranks] == ["tensors"] * 2 and [r["stale_refused"] for r in ranks] == [0, 0]
+    assert ranks[0]["changed"] == ranks[0]["trainable"]
+    assert_same(ranks[0]["weights"], ranks[1]["weights"])
+    assert all(r["logprob_diff_max"] <= 1e-4 for r in ranks)
     assert all(r["resumed_equal"] for r in ranks)
