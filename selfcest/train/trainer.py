@@ -232,10 +232,13 @@ class GRPOTrainer:
         """This process's trees for its share of the step's ``tasks`` (prompt i goes to
         process i % world size), from its own engine or its node's."""
         acc = self.accelerator
-        if self.placement is None:
-            return engine.rollout(tasks[acc.process_index :: acc.num_processes], samples_per_task)
-        return rollout_on_node(self.placement, tasks, samples_per_task,
-                               lambda mine: engine.rollout(mine, samples_per_task), self.backend)
+        # The run's mixed precision for a backend that decodes with a model of this process
+        # (a no-op in float32, and for an engine of its own).
+        with acc.autocast():
+            if self.placement is None:
+                return engine.rollout(tasks[acc.process_index :: acc.num_processes], samples_per_task)
+            return rollout_on_node(self.placement, tasks, samples_per_task,
+                                   lambda mine: engine.rollout(mine, samples_per_task), self.backend)
 
     def _reference_model(self, model, device):
         """The KL reference: the base with the adapter disabled (LoRA), else a frozen copy (in
@@ -471,12 +474,14 @@ class GRPOTrainer:
     def _logprobs(self, model, mb, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Input-aligned logprobs of the sampling distribution (logits / temperature) from the
         micro-batch's first sampled token on, and, if asked, the entropy of each position's
-        distribution."""
+        distribution. Under the run's mixed precision whatever the model: a rollout copy or
+        a KL reference computes as the trained model does (a no-op in float32)."""
         first = mb.first_trained_position()
-        logp, logits = forward_logprobs(model, mb.input_ids, mb.attention_mask,
-                                        self.config.rollout.temperature or 1.0,
-                                        position_ids=mb.position_ids, from_position=first,
-                                        share_prefix=self.share_prompts)
+        with self.accelerator.autocast():
+            logp, logits = forward_logprobs(model, mb.input_ids, mb.attention_mask,
+                                            self.config.rollout.temperature or 1.0,
+                                            position_ids=mb.position_ids, from_position=first,
+                                            share_prefix=self.share_prompts)
         if not entropy:
             return logp, None
         return logp, left_pad(token_entropy(logits), logp.shape[1] - logits.shape[1])

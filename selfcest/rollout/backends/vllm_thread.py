@@ -79,11 +79,17 @@ class Lockstep:
         return received[0]
 
 
+def token_prompt(prompt_ids: list[int]) -> dict:
+    """A prompt of token ids as vLLM's engine takes it (its ``TokensInput``; a raw
+    ``{"prompt_token_ids": ...}`` is deprecated there and goes through its renderer)."""
+    return {"type": "token", "prompt_token_ids": prompt_ids}
+
+
 def _apply(engine, operation: tuple) -> None:
     kind = operation[0]
     if kind == "add":
         try:
-            engine.add_request(operation[1], {"prompt_token_ids": operation[2]}, operation[3])
+            engine.add_request(operation[1], token_prompt(operation[2]), operation[3])
         except Exception:  # the leader's engine refused it too and failed that request alone
             pass
     elif kind == "abort":
@@ -219,7 +225,7 @@ class EngineThread:
         request.id = request.id or str(next(self._ids))
         operations.append(("add", request.id, request.prompt_ids, request.params))
         try:
-            engine.add_request(request.id, {"prompt_token_ids": request.prompt_ids}, request.params)
+            engine.add_request(request.id, token_prompt(request.prompt_ids), request.params)
         except Exception as error:  # a request vLLM rejects fails alone
             request.deliver(error)
             return

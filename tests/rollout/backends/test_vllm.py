@@ -544,6 +544,38 @@ def test_a_sync_past_its_timeout_raises_instead_of_hanging(synced, monkeypatch):
     assert_refused_until_synced(policy, backend, version)
 
 
+def test_every_vllm_call_of_the_backend_exists_in_this_version(synced):
+    """What the tests above cannot run here (sleep mode needs CUDA) is checked by signature;
+    the rest they run: V1's LLMEngine in this process, token-id prompts, in-place reloads."""
+    import dataclasses
+    import inspect
+
+    import vllm
+    from vllm.inputs.engine import TokensInput
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    _, backend = synced
+    assert isinstance(backend._thread.engine, LLMEngine) and vllm.LLMEngine is LLMEngine
+    assert inspect.signature(LLMEngine.sleep).parameters.keys() >= {"level"}
+    assert inspect.signature(LLMEngine.wake_up).parameters.keys() >= {"tags"}
+    for name in ("is_sleeping", "add_request", "abort_request", "step", "collective_rpc", "reset_prefix_cache",
+                 "get_tokenizer"):
+        assert callable(getattr(LLMEngine, name)), name
+    topology = vllm_backend.Topology(rank=1, world_size=2, local_rank=1)
+    arguments = vllm_backend.engine_arguments(VLLMConfig(enable_sleep_mode=True), "/model", topology, dummy=True)
+    assert arguments.keys() <= {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    assert arguments["distributed_executor_backend"] in {"external_launcher", "uni", "mp"}
+    assert TokensInput.__annotations__.keys() >= {"type", "prompt_token_ids"}
+    for worker in (Worker, CPUWorker):  # reload_weights(weights_iterator= | weights_path=)
+        assert worker.reload_weights is Worker.reload_weights
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    assert inspect.signature(GPUModelRunner.reload_weights).parameters.keys() >= {"weights_iterator", "weights_path"}
+    params = backend.sampling_params(4, [3], SamplingParams(temperature=0.5, banned_token_ids=(2,)), seed=1)
+    assert isinstance(params, vllm.SamplingParams) and params.logit_bias == {2: -100.0}
+
+
 def test_config_is_validated():
     with pytest.raises(ValueError, match="sleep_level must be 1 or 2"):
         VLLMConfig(sleep_level=3)
