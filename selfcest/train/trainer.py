@@ -207,8 +207,11 @@ class GRPOTrainer:
         placement = self.placement
         if placement is not None and not placement.is_leader and not spec(rollout.backend).whole_node:
             return FollowerBackend()
-        return build_backend(self.policy, rollout, placement=placement,
-                             collective_timeout_s=self.config.trainer.collective_timeout_s)
+        # Under the run's mixed precision: an engine's first probe, which calibrates the sync
+        # tolerance, is scored as every later one (a no-op in float32).
+        with self.accelerator.autocast():
+            return build_backend(self.policy, rollout, placement=placement,
+                                 collective_timeout_s=self.config.trainer.collective_timeout_s)
 
     def _publish_weights(self) -> None:
         """Make rollouts use the trained weights (after an update, or a resume)."""

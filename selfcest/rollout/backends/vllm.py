@@ -74,7 +74,7 @@ INSTALL_HINT = (
 # when the engine started serving exactly the trainer's weights (rounding alone).
 PROBE_SLACK = 4.0
 PROBE_ATOL_16BIT = (0.02, 0.25)  # the range that relative tolerance is kept in
-PROBE_ATOL_32BIT = 1e-3  # a correct float32 sync measures ~1e-5
+PROBE_ATOL_32BIT = 1e-3  # the floor of a float32 engine: a correct float32 sync measures ~1e-5
 
 
 class WeightSync(Choice):
@@ -143,9 +143,10 @@ class VLLMConfig:
         "verify_atol; its gap is logged every step (sync/probe_max_diff)"))
     probe_tokens: int = setting(8, help="tokens the probe generates")
     verify_atol: float | None = setting(None, help=(
-        "largest probe logprob difference accepted; null: 1e-3 for a float32 engine (a correct "
-        "sync measures ~1e-5); for a 16-bit one 4x the gap measured when the engine started "
-        "serving exactly the trainer's weights (rounding alone), kept within 0.02-0.25"))
+        "largest probe logprob difference accepted; null: 4x the gap measured when the engine "
+        "started serving exactly the trainer's weights (rounding alone), kept within 1e-3-0.25 "
+        "for a float32 engine scored in float32 (a correct sync measures ~1e-5) and within "
+        "0.02-0.25 where either side computes in 16 bits"))
 
     def __post_init__(self) -> None:
         self.check()
@@ -629,13 +630,16 @@ def put_to_sleep(engine, level: int) -> None:
 
 
 def probe_tolerance(engine_dtype: torch.dtype, calibration_gap: float | None) -> float:
-    """The probe tolerance of an engine in ``engine_dtype`` (`VLLMConfig.verify_atol`'s null)."""
-    if engine_dtype == torch.float32:
-        return PROBE_ATOL_32BIT
-    low, high = PROBE_ATOL_16BIT
+    """The probe tolerance (`VLLMConfig.verify_atol`'s null): 4x the gap of the engine's
+    first, exact load (``calibration_gap``; rounding alone, of the engine and of the model's
+    scoring, which computes in the run's mixed precision) within [floor, 0.25], the floor
+    1e-3 for a float32 engine and 0.02 for a 16-bit one; uncalibrated, the floor of a float32
+    engine and 0.25 for a 16-bit one."""
+    floor = PROBE_ATOL_32BIT if engine_dtype == torch.float32 else PROBE_ATOL_16BIT[0]
+    high = PROBE_ATOL_16BIT[1]
     if calibration_gap is None:
-        return high
-    return min(high, max(low, PROBE_SLACK * calibration_gap))
+        return floor if engine_dtype == torch.float32 else high
+    return min(high, max(floor, PROBE_SLACK * calibration_gap))
 
 
 def _loop_delivery(loop: asyncio.AbstractEventLoop, future: asyncio.Future):
