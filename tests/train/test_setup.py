@@ -43,6 +43,16 @@ def test_a_bfloat16_model_trains_float32_master_weights(tmp_path, fresh_accelera
     assert trainer.recompute and 0 < history[0]["rollout/logprob_diff_mean"] <= history[0]["rollout/logprob_diff_max"]
 
 
+def test_a_model_folder_loads_float32_master_weights_whatever_its_compute_dtype(tiny_policy, tmp_path):
+    """``model=hf`` (the paper runs) says bfloat16: a folder's weights load in float32 all the
+    same, and bfloat16 is what its passes compute in."""
+    tiny_policy.save_pretrained(tmp_path / "model")
+    config = TrainConfig()
+    config.model.name, config.model.dtype = str(tmp_path / "model"), "bfloat16"
+    policy = setup.build_policy(config)
+    assert {p.dtype for p in policy.model.parameters()} == {torch.float32}
+
+
 def test_float32_on_the_hf_backend_recomputes_nothing_and_logs_as_before(tmp_path):
     trainer = setup.build_trainer(small_config(tmp_path, steps=1))
     history = trainer.train()
