@@ -24,6 +24,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from helpers import load_module
 
 from selfcest.budget import Budget
 from selfcest.eval.cli import run_eval
@@ -243,6 +244,20 @@ def test_files_sync_serves_the_new_weights(synced, monkeypatch):
     assert backend.last_sync.method == "files"
     hf, served = greedy_probe(policy, backend)
     assert hf == served
+
+
+def test_the_weight_sync_benchmark_times_both_ways_on_one_engine(synced):
+    """benchmarks/weight_sync.py's measurement (docs/performance.md: the in-memory sync against
+    the files fallback): each round nudges the weights and syncs them both ways, every sync
+    verified by the probe; the configured way is kept."""
+    policy, backend = synced
+    benchmark = load_module("benchmarks/weight_sync.py", "weight_sync")
+    nudged = copy.deepcopy(policy.model)
+    seconds = benchmark.time_syncs(backend, nudged, repeats=2)
+    assert {method: len(times) for method, times in seconds.items()} == {"tensors": 2, "files": 2}
+    assert all(0 < t for times in seconds.values() for t in times)
+    assert backend.config.weight_sync == "auto" and backend.sync_method == "tensors"
+    assert backend.last_sync.probe_max_diff <= LOGPROB_ATOL  # serving the nudged weights
 
 
 def test_lora_weights_are_merged_into_the_sync(synced):
