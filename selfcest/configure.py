@@ -10,6 +10,8 @@ Python) run every ``check()`` and prefix the path where the error was found, so 
 name.
 
 This module is a leaf: it knows dataclasses, OmegaConf and Hydra, and nothing of selfcest.
+It imports Hydra and OmegaConf only where a Hydra config is composed or read, so that the
+library itself runs where they are not installed (the GPU check's bare machine).
 """
 
 from __future__ import annotations
@@ -24,12 +26,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import hydra
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -161,7 +157,10 @@ def build(kind: type, data: Any, path: str = "") -> Any:
     Unknown keys, missing required values and every ``check()`` of the nested dataclasses
     fail with a `ConfigError` naming the full key.
     """
-    if isinstance(data, DictConfig):
+    if "omegaconf" in sys.modules and isinstance(data, sys.modules["omegaconf"].DictConfig):
+        from omegaconf import OmegaConf
+        from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
         try:
             data = OmegaConf.to_container(data, resolve=True, throw_on_missing=True)
         except MissingMandatoryValue as error:
@@ -224,7 +223,7 @@ def _enum_of(kind: Any) -> type | None:
     return None
 
 
-def _explain(error: OmegaConfBaseException) -> str:
+def _explain(error: Exception) -> str:
     key = getattr(error, "full_key", None)
     text = str(error).splitlines()[0]
     return f"{key}: {text}" if key else text
@@ -279,6 +278,10 @@ def compose(config_name: str, overrides: list[str], kind: type) -> Any:
     """The ``kind`` config Hydra composes from `CONFIG_DIR`'s ``config_name`` and
     ``overrides`` (the schemas must be registered first). Works inside a running Hydra app
     too (a sweep composing its runs), whose Hydra instance is set aside meanwhile."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
     outer = GlobalHydra.instance().hydra if GlobalHydra.instance().is_initialized() else None
     GlobalHydra.instance().clear()
     try:
@@ -335,6 +338,8 @@ def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults
     ``kind`` (Hydra's own help: ``--hydra-help``), under the name ``program``. A configuration error exits with code 2
     and one line on stderr, a `RunError` with code 1 and one line.
     """
+    import hydra
+
     for default in defaults:
         key = default.split("=", 1)[0] + "="
         if not any(arg.startswith(key) for arg in sys.argv[1:]):
@@ -350,9 +355,11 @@ def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults
         sys.exit(2)
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name=config_name, version_base="1.3")
-    def app(cfg: DictConfig) -> None:
+    def app(cfg) -> None:
         try:
-            run(build(kind, cfg))
+            config = build(kind, cfg)
+            validate(config)  # every app fails here on a bad key or a missing package, before compute
+            run(config)
         except (ConfigError, FileNotFoundError) as error:
             print(f"selfcest: configuration error: {error}", file=sys.stderr)
             sys.exit(2)

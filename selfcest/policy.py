@@ -30,14 +30,15 @@ from selfcest.algo.losses import token_logprobs
 from selfcest.budget import Budget
 from selfcest.configure import setting
 from selfcest.protocol import PlainProtocol, Protocol, TokenProtocol, ToolCallProtocol
+from selfcest.configure import validate
 from selfcest.rollout.backends.base import Backend, SamplingParams
 from selfcest.rollout.backends.hf import (
-    HFBackend,
     cache_argument,
     forward_parameters,
     plain_attention_cache,
     repeated_rows,
 )
+from selfcest.rollout.backends.registry import BackendSettings, serve
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
 from selfcest.tree import CloneTree
@@ -125,12 +126,16 @@ class LoraSettings:
 
 
 class ClonePolicy:
-    """A model that can delegate to clones of itself, with the tokenizer and protocol it uses."""
+    """A model that can delegate to clones of itself, with the tokenizer and protocol it uses.
 
-    def __init__(self, model, tokenizer, protocol: Protocol) -> None:
+    ``serving``: the backend its rollouts use unless one is named (the hf backend by default).
+    """
+
+    def __init__(self, model, tokenizer, protocol: Protocol, serving: BackendSettings | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.protocol = protocol
+        self.serving = serving or BackendSettings()
 
     # ------------------------------------------------------------------ construction
 
@@ -178,9 +183,11 @@ class ClonePolicy:
         dtype: torch.dtype = torch.float32,
         root_system: str | None = None,
         clone_system: str | None = None,
+        device: str | torch.device | None = None,
         **model_kwargs,
     ) -> ClonePolicy:
-        """Load a causal LM; add the protocol's tokens if the tokenizer lacks them.
+        """Load a causal LM; add the protocol's tokens if the tokenizer lacks them; move it to
+        ``device`` (None: where transformers loads it, the CPU).
 
         ``protocol`` defaults to the one saved with the model, else ``"token"``; ``"none"``
         needs no token and leaves the vocabulary as loaded. New token
@@ -201,6 +208,8 @@ class ClonePolicy:
         add_protocol_tokens(model, tokenizer, required)
         if lora is not None:
             model = apply_lora(model, lora, tokenizer.convert_tokens_to_ids(list(required)))
+        if device is not None:
+            model.to(device)
         return cls(model, tokenizer, _make_protocol(protocol, tokenizer, root_system, clone_system))
 
     @classmethod
@@ -241,20 +250,32 @@ class ClonePolicy:
 
     # ------------------------------------------------------------------ use
 
-    def backend(self, max_batch_size: int = 64) -> Backend:
-        return HFBackend(self.model, self.tokenizer.pad_token_id, max_batch_size=max_batch_size)
+    def backend(self, name: str | None = None, **settings) -> Backend:
+        """A backend serving this policy's current weights: ``name`` (hf, vllm) with
+        ``settings`` (`BackendSettings` fields: ``max_batch_size``, ``vllm={"dtype": ...}``),
+        or without either the policy's ``serving`` settings. vLLM's engine is started once per
+        process and loads whichever policy's weights it is asked to serve; a name alone takes
+        it as it runs (`selfcest.rollout.backends.registry.serve`). A missing package fails
+        here, with the install step."""
+        if name is None and not settings:
+            return serve(self, self.serving)
+        chosen = BackendSettings(backend=name or "hf", **settings)
+        validate(chosen)
+        return serve(self, chosen, exact=bool(settings))
 
     def engine(
         self,
         budget: Budget | None = None,
         sampling: SamplingParams | None = None,
         seed: int = 0,
-        backend: Backend | None = None,
+        backend: Backend | str | None = None,
         root_prefill: Sequence[int] = (),
     ):
-        """A rollout engine over this policy (``root_prefill``: see `RolloutEngine`)."""
-        return RolloutEngine(backend or self.backend(), self.protocol, budget, sampling, seed,
-                             root_prefill=root_prefill)
+        """A rollout engine over this policy (``backend``: one, or a backend's name, or None
+        for `backend()`; ``root_prefill``: see `RolloutEngine`)."""
+        if backend is None or isinstance(backend, str):
+            backend = self.backend(backend)
+        return RolloutEngine(backend, self.protocol, budget, sampling, seed, root_prefill=root_prefill)
 
     def solve(
         self,
@@ -263,12 +284,14 @@ class ClonePolicy:
         sampling: SamplingParams | None = None,
         context: dict[str, str] | None = None,
         seed: int = 0,
+        backend: Backend | str | None = None,
     ) -> CloneTree:
-        """Answer one question with clones allowed; the answer is ``tree.answer``."""
+        """Answer one question with clones allowed; the answer is ``tree.answer``
+        (``backend``: as for `engine`, e.g. ``"vllm"``)."""
         task = question if isinstance(question, Task) else Task(
             id="question", prompt=question, answer="", context=dict(context or {})
         )
-        return self.engine(budget, sampling, seed).rollout([task])[0]
+        return self.engine(budget, sampling, seed, backend=backend).rollout([task])[0]
 
     @torch.no_grad()
     def logprobs_of(self, sequences: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
@@ -282,6 +305,11 @@ class ClonePolicy:
             mask[row, : len(seq)] = 1
         logp, _ = forward_logprobs(self.model, ids.to(device), mask.to(device), temperature)
         return [logp[row, 1 : len(seq)].cpu() for row, seq in enumerate(sequences)]
+
+
+def default_device() -> torch.device:
+    """The GPU this process uses when there is one (``torch.cuda.current_device``), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

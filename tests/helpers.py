@@ -138,3 +138,36 @@ def bound_by_file_permissions() -> None:
 
 
 PR_CAPBSET_DROP, CAP_DAC_OVERRIDE = 24, 1  # <linux/prctl.h>, <linux/capability.h>
+
+
+# What the tests of the README's training lines change: its placeholder model folder (for a
+# `write_stand_in` model) and, after the line, one evaluated step of two prompts and two
+# held-out tasks. The group size stays the configs' (the paper's 4 trees), so groups hold
+# both rewards of the stand-in.
+README_MODEL = "/path/to/model"
+SMALL_RUN = ("trainer.steps=1", "trainer.eval_every=1", "trainer.prompts_per_step=2", "task.eval_size=2")
+
+
+def write_stand_in(folder: Path, size: str = "tiny") -> None:
+    """A tiny random Qwen2 (Hermes tool calls, as `model=hf` uses) that ends its turn at
+    once when greedy, and writes a few "7" and newline tokens first when sampling.
+
+    A random model writes garbage up to its budget (4096 tokens per node in these runs, minutes
+    on a CPU). This one samples about 3 tokens, and the last line it writes is "7" in about a
+    quarter of its outputs, so on tasks whose answer is 7 a group of 4 trees mostly holds both
+    rewards; evaluation (greedy) ends at once. How: every input embedding gets one shared
+    direction, which then dominates the residual stream, so the last hidden state points
+    along it whatever the text; the output rows (tied to the embeddings) of three tokens get
+    more of it, so those tokens take nearly all the probability: the end of turn most, then
+    newline, then "7".
+    """
+    policy = ClonePolicy.build_tiny(seed=0, size=size, protocol="tool")
+    embeddings = policy.model.get_input_embeddings().weight
+    direction = torch.randn(embeddings.shape[1], generator=torch.Generator().manual_seed(0))
+    direction /= direction.norm()
+    tokenizer = policy.tokenizer
+    with torch.no_grad():
+        embeddings += 2.0 * direction
+        for token, weight in ((tokenizer.eos_token, 2.0), ("Ċ", 1.97), ("7", 1.95)):  # Ċ: newline
+            embeddings[tokenizer.convert_tokens_to_ids(token)] += weight * direction
+    policy.save_pretrained(folder)

@@ -148,7 +148,7 @@ def test_train_cli_runs_and_config_errors_exit_2(tmp_path):
     typo = run_cli("trainer.stpes=3", f"trainer.output_dir={tmp_path}/typo", cwd=tmp_path)
     assert typo.returncode == 2 and typo.stderr.count("\n") == 1, typo.stderr
     assert typo.stderr.startswith("selfcest: configuration error: unknown key trainer.stpes (did you mean "
-                                  "trainer.steps?); the keys of trainer: betas, cpu_threads, ")
+                                  "trainer.steps?); the keys of trainer: betas, collective_timeout_s, cpu_threads, ")
     assert not (tmp_path / "typo").exists()  # stopped before Hydra made the folder
 
 

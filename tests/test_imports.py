@@ -21,6 +21,8 @@ LAZY = {
     "wandb", "torch.utils.tensorboard",  # only runs that log there
     "sympy", "sympy.matrices", "math_verify",  # the math worker reports a failed import itself
     "matplotlib.figure",  # plots only
+    # Hydra apps only: the library runs without them (the GPU check's machine has neither).
+    "hydra", "hydra.core.global_hydra", "omegaconf", "omegaconf.errors",
 }
 
 

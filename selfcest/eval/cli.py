@@ -30,5 +30,6 @@ def run_eval(config: EvalConfig) -> None:
         config.policy, splits, config.budgets, methods, reward, config.out_dir,
         budget=config.budget, temperature=config.temperature, top_p=config.top_p,
         top_k=config.top_k, seed=config.seed, bootstrap_samples=config.bootstrap_samples,
+        serving=config.rollout, device=None if config.device == "auto" else config.device,
     )
     print(f"selfcest-eval: {len(results.cells)} cells written to {config.out_dir}/results.md")

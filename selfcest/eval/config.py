@@ -8,6 +8,7 @@ from typing import Any
 from selfcest.budget import Budget
 from selfcest.configure import is_number, require, setting
 from selfcest.eval.evaluate import MethodKind
+from selfcest.rollout.backends.registry import BackendSettings
 from selfcest.train.config import TaskSourceConfig
 
 
@@ -44,6 +45,10 @@ class EvalConfig:
     top_p: float = setting(1.0, help="nucleus sampling mass (1 = off)")
     top_k: int = setting(0, help="top-k sampling (0 = off)")
     seed: int = setting(0, help="seed of every rollout")
+    rollout: BackendSettings = setting(help=(
+        "the engine every policy decodes with: rollout.backend=hf|vllm and its settings (the "
+        "training config's keys of the same names)"), factory=BackendSettings)
+    device: str = setting("auto", help="where the policies run: auto (this process's GPU if there is one, else the CPU), cpu, cuda:1, ...")
     bootstrap_samples: int = setting(1000, help="bootstrap resamples of every confidence interval")
     out_dir: str = setting("runs/eval", help="where results.json/.csv/.md, the Pareto plots and the trees go")
 

@@ -30,9 +30,10 @@ from selfcest.configure import Choice
 from selfcest.eval.report import write_report
 from selfcest.eval.results import CellResult, EvalResults
 from selfcest.eval.stats import bootstrap_mean
-from selfcest.policy import ClonePolicy
+from selfcest.policy import ClonePolicy, default_device
 from selfcest.rewards.base import RewardFn, score_trees
 from selfcest.rollout.backends.base import SamplingParams
+from selfcest.rollout.backends.registry import BackendSettings
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
 from selfcest.tasks.io import load_jsonl
@@ -412,10 +413,14 @@ def run_evaluation(
     top_k: int = 0,
     seed: int = 0,
     bootstrap_samples: int = 1000,
+    serving: BackendSettings | None = None,
+    device: str | None = None,
 ) -> EvalResults:
     """`evaluate` with plain arguments, for the ``selfcest-eval`` command.
 
-    - ``model``: a saved policy folder (`ClonePolicy.from_pretrained`), or a policy object.
+    - ``model``: a saved policy folder (`ClonePolicy.from_pretrained`, loaded on ``device``,
+      by default this process's GPU if there is one, and decoding with the backend of
+      ``serving``, by default hf), or a policy object.
     - ``tasks``: split name -> a JSONL file of task records (`Task.to_dict`, one per line),
       or a list of tasks.
     - ``methods``: `Method`s or mappings such as ``{"name": "sc@4", "kind":
@@ -431,7 +436,9 @@ def run_evaluation(
         if not isinstance(source, (str, Path)):
             return source
         if str(source) not in policies:
-            policies[str(source)] = ClonePolicy.from_pretrained(source)
+            policy = ClonePolicy.from_pretrained(source, device=device or default_device())
+            policy.serving = serving or BackendSettings()
+            policies[str(source)] = policy
         return policies[str(source)]
 
     parsed = [m if isinstance(m, Method) else method_from_mapping(m, base, load) for m in methods]

@@ -35,9 +35,8 @@ from selfcest.algo.losses import AGGREGATIONS, aggregation_weights
 from selfcest.cli import register_schemas
 from selfcest.configure import ConfigError, hydra_app
 from selfcest.eval.stats import bootstrap_mean
-from selfcest.experiments.cpu_repro import evaluation_splits, held_out, say
+from selfcest.experiments.cpu_repro import evaluation_splits, held_out, load_policy, say
 from selfcest.experiments.rl_seeds import train_seed
-from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.train.config import TrainConfig
 from selfcest.tree import CloneTree
@@ -70,7 +69,7 @@ def run(base: TrainConfig, log=say) -> dict:
     out = Path(base.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     splits = evaluation_splits(base, settings)
-    sft = ClonePolicy.from_pretrained(warm_started)
+    sft = load_policy(base, warm_started)
     start_reward = {name: held_out(base, sft, tasks, settings).reward for name, tasks in splits.items()}
     rollout = base.rollout
     engine = sft.engine(rollout.budget, SamplingParams(rollout.temperature), seed=base.trainer.seed)

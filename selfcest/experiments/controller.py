@@ -41,7 +41,7 @@ from selfcest.cli import register_schemas
 from selfcest.configure import hydra_app
 from selfcest.eval.decisions import Decision, Mode, paired_gap, per_size, per_task, sample_trees, score_decisions
 from selfcest.experiments.controller_report import write_controller_report
-from selfcest.experiments.cpu_repro import say, timed, train_arm, warm_start_folder
+from selfcest.experiments.cpu_repro import load_policy, say, timed, train_arm, warm_start_folder
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.task import Task
@@ -293,7 +293,7 @@ def run(config: TrainConfig, log=say) -> dict:
     with timed(timings, "warm start (SFT)", log):
         warm_start_folder(config, out / "sft", log, score=validation_score(config))
     with timed(timings, "forced styles before RL", log):
-        before = measure(config, ClonePolicy.from_pretrained(out / "sft"), tasks, cache=out / "sft" / TREES_FILE)
+        before = measure(config, load_policy(config, out / "sft"), tasks, cache=out / "sft" / TREES_FILE)
     with timed(timings, "RL", log):
         trained, history = train_arm(config, out / "sft", out / "rl")
     with timed(timings, "forced styles after RL", log):

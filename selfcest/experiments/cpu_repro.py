@@ -59,9 +59,10 @@ from selfcest.eval.delegation import delegation_stats
 from selfcest.eval.evaluate import Method, evaluate
 from selfcest.eval.stats import bootstrap_mean
 from selfcest.experiments.report import write_repro_report
-from selfcest.policy import ClonePolicy
+from selfcest.policy import ClonePolicy, default_device
 from selfcest.rewards.base import score_trees
 from selfcest.rollout.backends.base import SamplingParams
+from selfcest.rollout.backends.registry import BackendSettings
 from selfcest.task import Task
 from selfcest.tasks import TASKS, TEACHERS
 from selfcest.train.checkpoint import RESUME_LATEST, RESUME_OFF, config_changes, resolve_resume, saved_config
@@ -138,6 +139,19 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
+def serving(config: TrainConfig, policy: ClonePolicy) -> ClonePolicy:
+    """``policy``, decoding with the config's ``rollout.backend`` and its vLLM settings from
+    now on. The hf backend keeps its default batch settings, as evaluations always used
+    (``rollout.max_batch_size`` sizes training's batches; batching can move the last bits)."""
+    policy.serving = BackendSettings(backend=config.rollout.backend, vllm=config.rollout.vllm)
+    return policy
+
+
+def load_policy(config: TrainConfig, folder: Path) -> ClonePolicy:
+    """A saved policy on this process's device (its GPU if there is one), `serving` as configured."""
+    return serving(config, ClonePolicy.from_pretrained(folder, device=default_device()))
+
+
 def train_arm(config: TrainConfig, start: Path, output: Path, view=None, log=say) -> tuple[ClonePolicy, list[dict]]:
     """GRPO from the warm-start policy saved at ``start``, on the config's tasks seen through
     ``view`` (None: as they are); the trained policy is saved, and every step's metrics
@@ -167,7 +181,7 @@ def train_arm(config: TrainConfig, start: Path, output: Path, view=None, log=say
         trainer.close()
     if ran or not (output / "policy").exists():
         trainer.policy.save_pretrained(output / "policy")
-    return trainer.policy, read_metrics(output / "metrics.jsonl")
+    return serving(config, trainer.policy), read_metrics(output / "metrics.jsonl")
 
 
 @contextmanager
@@ -234,7 +248,7 @@ def run(config: TrainConfig, log=say) -> dict:
         mono, mono_history = train_arm(twin, out / "sft", out / "monolithic", monolithic_view(config))
 
     with timed(timings, "held-out reward", log):
-        sft = ClonePolicy.from_pretrained(out / "sft")
+        sft = load_policy(config, out / "sft")
         tasks = evaluation_splits(config, settings)["in-distribution"]
         heldout = {
             "clones": held_out(config, clones, tasks, settings).difference(held_out(config, sft, tasks, settings)),
@@ -282,7 +296,7 @@ def warm_start_check(config: TrainConfig, settings: EvaluationConfig, folder: Pa
     section = config.warm_start
     if section.tasks is None:
         return {}
-    policy = ClonePolicy.from_pretrained(folder)
+    policy = load_policy(config, folder)
     engine = training_engine(config, policy, seed=config.trainer.seed + 2)
     teacher = TEACHERS[section.teacher](**section.teacher_params)
     checked = {}

@@ -42,8 +42,7 @@ from pathlib import Path
 from selfcest.cli import register_schemas
 from selfcest.configure import ConfigError, hydra_app
 from selfcest.eval.stats import bootstrap_mean
-from selfcest.experiments.cpu_repro import check_resume, evaluation_splits, held_out, say, train_arm
-from selfcest.policy import ClonePolicy
+from selfcest.experiments.cpu_repro import check_resume, evaluation_splits, held_out, load_policy, say, train_arm
 from selfcest.task import Task
 from selfcest.train.config import TrainConfig
 
@@ -86,7 +85,7 @@ def run(base: TrainConfig, log=say) -> dict:
     start_file = out / "warm_start_heldout.json"
     start = reuse(start_file, measured_under, log)
     if start is None:
-        sft = ClonePolicy.from_pretrained(warm_started)
+        sft = load_policy(base, warm_started)
         start = {name: held_out(base, sft, tasks, settings).reward for name, tasks in splits.items()}
         del sft  # each seed loads its own copy of the warm start
         keep(start_file, measured_under, start)

@@ -1,15 +1,17 @@
 """One rollout engine per node, serving every training process on it.
 
-With ``rollout.engine_per_node``, the first process of each node (its leader) builds the
-engine and expands the trees of all the node's prompts; every tree is then sent to the
-process that owns its prompt, which scores it and trains on it as usual. With vLLM that
-engine is one tensor-parallel engine over the node's GPUs
-(``rollout.vllm.tensor_parallel_size`` = GPUs per node), colocated with the trainers, in
-place of one engine per GPU that must each hold the whole model.
+With ``rollout.engine_per_node``, the first process of each node (its leader) expands the
+trees of all the node's prompts; every tree is then sent to the process that owns its
+prompt, which scores it and trains on it as usual.
 
-The other processes build no engine (`FollowerBackend`): they wait while the leader rolls
-out and take the leader's weight version after every sync, so their stale-sample checks
-compare against the weights the trees were really sampled under.
+With the hf backend only the leader builds an engine; the other processes (`FollowerBackend`)
+wait while it rolls out. With vLLM the engine is one tensor-parallel engine over the node's
+processes (``rollout.vllm.tensor_parallel_size`` = processes per node), colocated with the
+trainers, in place of one engine per GPU that must each hold the whole model: every process
+holds its shard and loads its weights in memory, and while the leader drives the rollout the
+others replay its engine's steps (the backend's ``follow``, inside ``leading`` on the
+leader). Either way the followers take the leader's weight version after every sync, so
+their stale-sample checks compare against the weights the trees were really sampled under.
 
 Ownership is the same as without a shared engine: prompt ``i`` of a step belongs to
 process ``i % world_size``, with its whole group of trees. The leader expands the node's
@@ -24,6 +26,7 @@ not supported with a shared engine (its re-runs would need an engine in every pr
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -75,21 +78,26 @@ def rollout_on_node(
     tasks: Sequence[Task],
     samples_per_task: int,
     rollout: Callable[[list[Task]], list[CloneTree]],
+    backend=None,
 ) -> list[CloneTree]:
     """This process's trees for its prompts of the step's ``tasks`` (every process calls).
 
     On a leader, ``rollout(node_tasks)`` expands the node's prompts, in the step's order,
     returning ``samples_per_task`` trees per task grouped by task (as
-    `RolloutEngine.rollout` does); other processes never call it.
+    `RolloutEngine.rollout` does), within ``backend.leading()`` where it has one; other
+    processes never call it and run ``backend.follow()`` instead, where it has one.
     """
     share: list[list[CloneTree]] | None = None
     if placement.is_leader:
         on_node = [i for i in range(len(tasks)) if placement.on_my_node(placement.owner(i))]
-        trees = rollout([tasks[i] for i in on_node])
+        with getattr(backend, "leading", contextlib.nullcontext)():
+            trees = rollout([tasks[i] for i in on_node])
         share = [[] for _ in range(placement.world_size)]
         for position, index in enumerate(on_node):
             group = trees[position * samples_per_task : (position + 1) * samples_per_task]
             share[placement.owner(index)].extend(group)
+    else:
+        getattr(backend, "follow", lambda: None)()
     if placement.world_size == 1:
         return share[0]
     mine: list[CloneTree] = []

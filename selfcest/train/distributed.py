@@ -8,26 +8,39 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
 
 from selfcest.algo.losses import aggregation_weights
 from selfcest.train.sharding import check_supported
 
 
-def start_accelerator(seed: int) -> Accelerator:
+# accelerate's mixed precision of each model.dtype, and the dtype it computes in.
+MIXED_PRECISION = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def start_accelerator(seed: int, dtype: str = "float32", collective_timeout_s: float = 3600.0) -> Accelerator:
     """The run's accelerator, with global RNGs seeded from ``seed`` (plus the process index).
 
     ``cpu=True`` on machines without CUDA: without it, two CPU processes each think they are
-    alone and never synchronise gradients. Seeding here means a run's result (dropout, any
+    alone and never synchronise gradients. ``dtype`` (``model.dtype``) sets the mixed
+    precision, whatever ``accelerate launch`` was told: a 16-bit dtype computes under
+    autocast while parameters, gradients and optimizer state stay float32. Collectives wait
+    ``collective_timeout_s`` before failing. Seeding here means a run's result (dropout, any
     library sampling) does not depend on what the process did before it; a resume restores
     the checkpoint's RNG states on top. Unsupported distributed setups are refused here,
     before any compute (`check_supported`).
     """
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=MIXED_PRECISION[dtype],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))],
+    )
     check_supported(accelerator)
     set_seed(seed, device_specific=True)
     return accelerator

@@ -8,6 +8,7 @@ any model is built: validation, the reward import, the task files.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from selfcest.configure import ConfigError
-from selfcest.policy import SIZES, ClonePolicy, apply_lora
+from selfcest.policy import SIZES, ClonePolicy, apply_lora, default_device
 from selfcest.protocol import Protocol
 from selfcest.rewards.base import RewardFn, load_reward
 from selfcest.rewards.guard import RewardProcess
@@ -25,14 +26,13 @@ from selfcest.task import Task
 from selfcest.train.checkpoint import check_resume_config, resolve_resume
 from selfcest.train.config import (
     SMOLLM2,
-    DType,
     ProtocolName,
     TrainConfig,
     held_out_splits,
     load_split,
     validate,
 )
-from selfcest.train.distributed import decided_by_main, start_accelerator
+from selfcest.train.distributed import COMPUTE_DTYPES, MIXED_PRECISION, decided_by_main, start_accelerator
 from selfcest.train.lifecycle import RunLock
 from selfcest.train.sft import train_sft
 from selfcest.train.sharding import check_model, is_sharded
@@ -42,15 +42,14 @@ from selfcest.tree import CloneTree
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def build_policy(config: TrainConfig, name: str | None = None) -> ClonePolicy:
     """The policy ``config.model`` describes: a built-in tiny size, SmolLM2, or a model folder
-    (``name``, when given, replaces ``model.name``: a saved warm start, say)."""
+    (``name``, when given, replaces ``model.name``: a saved warm start, say). Its parameters
+    are float32 whatever ``model.dtype`` computes in (they are the master weights)."""
     model = config.model
     name = name or model.name
-    protocol, dtype = ProtocolName(model.protocol).value, DTYPES[DType(model.dtype).value]
+    protocol, dtype = ProtocolName(model.protocol).value, torch.float32
     prompts = {"root_system": model.root_system, "clone_system": model.clone_system}
     if name in SIZES:
         policy = ClonePolicy.build_tiny(seed=model.init_seed, size=name, protocol=protocol, **prompts)
@@ -131,7 +130,12 @@ def run_warm_start(config: TrainConfig) -> Path:
     if config.trainer.cpu_threads:
         torch.set_num_threads(config.trainer.cpu_threads)
     policy = build_policy(config)
-    logged_warm_start(policy, config, out)
+    device = default_device()
+    policy.model.to(device)
+    precision = MIXED_PRECISION[str(config.model.dtype)]
+    autocast = contextlib.nullcontext() if precision == "no" else torch.autocast(device.type, COMPUTE_DTYPES[precision])
+    with autocast:
+        logged_warm_start(policy, config, out)
     policy.save_pretrained(out)
     return out
 
@@ -166,7 +170,7 @@ def build_trainer(
         eval_tasks = load_split(config.task, "eval") if trainer.eval_every else []
     if trainer.cpu_threads:
         torch.set_num_threads(trainer.cpu_threads)
-    accelerator = start_accelerator(trainer.seed)
+    accelerator = start_accelerator(trainer.seed, str(config.model.dtype), trainer.collective_timeout_s)
     held: list[RunLock] = []
 
     def claim_output() -> Path | None:
@@ -177,10 +181,12 @@ def build_trainer(
         resume_from = decided_by_main(accelerator, claim_output)
         saved = config.warm_start.policy
         policy = policy or build_policy(config, saved)
+        policy.model.to(accelerator.device)
         if is_sharded(accelerator):
             check_model(policy.model)
         if resume_from is None and config.warm_start.tasks and saved is None:
-            logged_warm_start(policy, config, Path(trainer.output_dir))
+            with accelerator.autocast():  # the run's mixed precision (none in float32)
+                logged_warm_start(policy, config, Path(trainer.output_dir))
             if backend is not None:
                 backend.sync_weights(policy.model)  # it was built before the warm start
         return GRPOTrainer(config, accelerator, policy, train_tasks, reward_fn,

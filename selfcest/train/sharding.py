@@ -5,27 +5,29 @@ the training model is a collective: all processes must run the same number of th
 same order. Rollouts cannot work that way: each process expands its own trees, for as many
 decoding steps as they take. So, when training is sharded:
 
-- rollouts, proximal logprobs and LoRA's reference logprobs use the *rollout model*, a
-  full-weight copy of the policy on every process (a colocated vLLM engine holds one
-  anyway), refreshed from the shards after every update (`full_weights`);
+- with the hf backend, which decodes with a model of its own process, rollouts, proximal
+  logprobs and LoRA's reference logprobs use the *rollout model*, a full-weight copy of the
+  policy on every process, refreshed from the shards tensor by tensor after every update
+  (`refresh_copy`);
+- with vLLM, which holds its own copy, there is no rollout model: the weights are streamed
+  into the engine one whole tensor at a time (`selfcest.rollout.backends.weights`), and the
+  proximal and LoRA-reference passes run through the sharded model;
 - every optimizer step runs the same number of micro-batches on every process; a process
-  with fewer takes part with empty ones (`selfcest.train.trainer`).
+  with fewer takes part with empty ones (`selfcest.train.trainer`), and so do the proximal
+  and reference passes where they run through sharded models;
+- the KL reference (without LoRA) is sharded like the model (`shard_frozen`).
 
-Simplifications, stated: the warm start and the KL reference (without LoRA) train and keep
-full copies on every process; LoRA is sharded only when the protocol added no token
-(`check_model`); DeepSpeed ZeRO-3 is not supported (its parameters are not DTensors, so
-neither `full_weights` nor the checkpoint functions apply).
+Simplifications, stated: the warm start trains a full copy on every process; LoRA is sharded
+only when the protocol added no token (`check_model`); DeepSpeed ZeRO-3 is not supported (its
+parameters are not DTensors, so neither the streaming nor the checkpoint functions apply).
 """
 
 from __future__ import annotations
 
 import torch
 from accelerate import Accelerator, DistributedType
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from peft.tuners.trainable_tokens import TrainableTokensLayer
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-)
 
 from selfcest.configure import ConfigError
 
@@ -75,12 +77,15 @@ def is_sharded(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP
 
 
-def full_weights(model) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of a sharded ``model``, whole, on every process.
+@torch.no_grad()
+def refresh_copy(copy: torch.nn.Module, sharded: torch.nn.Module) -> None:
+    """Load a sharded model's weights into a plain ``copy`` of it, one whole tensor at a time
+    (no second full state dict). A collective: every process must call it."""
+    target = copy.state_dict()
+    for name, tensor in sharded.state_dict().items():
+        target[name].copy_(tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor)
 
-    A collective: every process must call it. Names are the unsharded model's own
-    (FSDP2 keeps them), so the result loads into a plain copy of the model with
-    ``load_state_dict``.
-    """
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
+def shard_frozen(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen model (the KL reference) sharded as accelerate shards the trained one."""
+    return fsdp2_prepare_model(accelerator, model)

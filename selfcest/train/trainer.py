@@ -48,8 +48,7 @@ from selfcest.policy import (ClonePolicy, forward_logprobs, left_pad, set_activa
 from selfcest.rewards.base import RewardFn, progress_summary, score_trees
 from selfcest.rewards.guard import GuardedReward
 from selfcest.rollout.backends.base import SamplingParams
-from selfcest.rollout.backends.hf import HFBackend
-from selfcest.rollout.backends.vllm import VLLMBackend
+from selfcest.rollout.backends.registry import build_backend, spec
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.rollout.node_rollout import FollowerBackend, Placement, rollout_on_node
 from selfcest.task import Task
@@ -66,6 +65,7 @@ from selfcest.train.batching import (
 from selfcest.train.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
 from selfcest.train.config import TrainConfig
 from selfcest.train.distributed import (
+    COMPUTE_DTYPES,
     gather,
     global_weights,
     mean_over_processes,
@@ -74,7 +74,7 @@ from selfcest.train.distributed import (
 from selfcest.train.lifecycle import RunLock, StopSignals
 from selfcest.train.logging import PhaseTimer, RunLogger, tree_metrics
 from selfcest.train.schedule import lr_lambda
-from selfcest.train.sharding import full_weights, is_sharded
+from selfcest.train.sharding import is_sharded, refresh_copy, shard_frozen
 from selfcest.tree import CloneTree
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,23 @@ class TaskSampler:
             picked.append(self.tasks[self._order()[self.cursor]])
             self.cursor += 1
         return picked
+
+
+def algo_recompute(config: TrainConfig, backend_has_own_weights: bool) -> bool:
+    """Whether the update recomputes old logprobs (`AlgoConfig.recompute_old_logprobs`; null:
+    unless the backend decodes with the trainer's own model in float32)."""
+    chosen = config.algo.recompute_old_logprobs
+    if chosen is not None:
+        return chosen
+    return backend_has_own_weights or config.model.dtype != "float32"
+
+
+def sync_metrics(backend) -> dict[str, float]:
+    """The last weight sync's probe (vLLM), for the step's metrics; nothing for other backends."""
+    report = getattr(backend, "last_sync", None)
+    if report is None or report.probe_max_diff is None:
+        return {}
+    return {"sync/probe_max_diff": report.probe_max_diff, "sync/probe_atol": report.probe_atol}
 
 
 class GRPOTrainer:
@@ -154,13 +171,21 @@ class GRPOTrainer:
                 "trainer.packing: this model lets packed samples attend to each other (its "
                 "attention ignores where position ids restart); set trainer.packing=false")
         device = acc.device
+        engine = spec(config.rollout.backend)
+        # Where the backend's logprobs are not the trainer's own (an engine of its own, or
+        # 16-bit numerics), the old logprobs are recomputed and the rollout's become the
+        # behaviour policy of a truncated importance weight (verl and TRL do this for vLLM).
+        self.recompute = algo_recompute(config, engine.own_weights)
         # Built before sharding, from full weights: the KL reference, and the model rollouts
-        # decode with. Under FSDP the latter is a copy of its own (see sharding.py).
+        # decode with. Under FSDP the latter is a copy of its own where the backend decodes
+        # with the trainer's model (hf), and none where it holds its own weights (vLLM).
         self.reference = self._reference_model(model, device)
         self.rollout_model = model
         if self.sharded:
-            self.rollout_model = copy.deepcopy(model).to(device).eval().requires_grad_(False)
-        self.policy = ClonePolicy(self.rollout_model, policy.tokenizer, policy.protocol)
+            self.rollout_model = None if engine.own_weights else (
+                copy.deepcopy(model).to(device).eval().requires_grad_(False))
+        self.policy = ClonePolicy(model if self.rollout_model is None else self.rollout_model,
+                                  policy.tokenizer, policy.protocol)
         self.backend = backend or self._build_backend()
         self._follow_leader_version()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=trainer.lr,
@@ -169,6 +194,8 @@ class GRPOTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(trainer.schedule, trainer.warmup_steps, total_updates))
         self.model, self.optimizer = acc.prepare(model, optimizer)
+        if self.sharded and self.reference is not None:
+            self.reference = shard_frozen(acc, self.reference)
         # After prepare: under FSDP the parameters are new (sharded) tensors.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.state = TrainerState(step=0, epoch=0, cursor=0, weight_version=self.backend.weight_version)
@@ -196,19 +223,27 @@ class GRPOTrainer:
 
     def _build_backend(self):
         rollout = self.config.rollout
-        if self.placement is not None and not self.placement.is_leader:
+        placement = self.placement
+        if placement is not None and not placement.is_leader and not spec(rollout.backend).whole_node:
             return FollowerBackend()
-        if rollout.backend == "vllm":
-            return VLLMBackend.from_policy(self.policy, **asdict(rollout.vllm))
-        return HFBackend(self.rollout_model, self.policy.tokenizer.pad_token_id, rollout.max_batch_size,
-                         rollout.prefix_cache_mb)
+        # Under the run's mixed precision: an engine's first probe, which calibrates the sync
+        # tolerance, is scored as every later one (a no-op in float32).
+        with self.accelerator.autocast():
+            return build_backend(self.policy, rollout, placement=placement,
+                                 collective_timeout_s=self.config.trainer.collective_timeout_s)
 
     def _publish_weights(self) -> None:
         """Make rollouts use the trained weights (after an update, or a resume)."""
-        if self.sharded:
-            self.rollout_model.load_state_dict(full_weights(self.model))
-        self.backend.sync_weights(self.rollout_model)
+        if self.sharded and self.rollout_model is not None:
+            refresh_copy(self.rollout_model, self.model)
+        self.backend.sync_weights(self._full_model)
         self._follow_leader_version()
+
+    @property
+    def _full_model(self):
+        """The model whose forward needs no collective where there is one (the rollout model),
+        else the sharded training model (whose every forward is one)."""
+        return self._unwrapped if self.rollout_model is None else self.rollout_model
 
     def _follow_leader_version(self) -> None:
         """With an engine per node, take the weight version the node's engine serves."""
@@ -219,16 +254,22 @@ class GRPOTrainer:
         """This process's trees for its share of the step's ``tasks`` (prompt i goes to
         process i % world size), from its own engine or its node's."""
         acc = self.accelerator
-        if self.placement is None:
-            return engine.rollout(tasks[acc.process_index :: acc.num_processes], samples_per_task)
-        return rollout_on_node(self.placement, tasks, samples_per_task,
-                               lambda mine: engine.rollout(mine, samples_per_task))
+        # The run's mixed precision for a backend that decodes with a model of this process
+        # (a no-op in float32, and for an engine of its own).
+        with acc.autocast():
+            if self.placement is None:
+                return engine.rollout(tasks[acc.process_index :: acc.num_processes], samples_per_task)
+            return rollout_on_node(self.placement, tasks, samples_per_task,
+                                   lambda mine: engine.rollout(mine, samples_per_task), self.backend)
 
     def _reference_model(self, model, device):
-        """The KL reference: the base with the adapter disabled (LoRA), else a frozen copy."""
+        """The KL reference: the base with the adapter disabled (LoRA), else a frozen copy (in
+        the compute dtype: it is only read; sharded under FSDP once the model is)."""
         if self.config.algo.loss.kl_coef == 0 or hasattr(model, "disable_adapter"):
             return None
-        return copy.deepcopy(model).to(device).eval().requires_grad_(False)
+        dtype = next(model.parameters()).dtype if self.accelerator.mixed_precision == "no" else (
+            COMPUTE_DTYPES[self.accelerator.mixed_precision])
+        return copy.deepcopy(model).to(device, dtype).eval().requires_grad_(False)
 
     def engine(self, seed: int, sampling: SamplingParams | None = None) -> RolloutEngine:
         """A rollout engine on this trainer's backend, budget and call timeout; sampling as in
@@ -307,6 +348,7 @@ class GRPOTrainer:
         mark = time.perf_counter()
         self._publish_weights()
         timings["time/sync"] = time.perf_counter() - mark
+        timings.update(sync_metrics(self.backend))
 
         self.state = TrainerState(self.state.step + 1, self.sampler.epoch, self.sampler.cursor,
                                   self.backend.weight_version)
@@ -383,7 +425,7 @@ class GRPOTrainer:
         algo = self.config.algo
         # Kept stale samples need old logprobs under the current weights: the truncated
         # importance weight compares them with the logprobs the tokens were sampled under.
-        recompute = algo.recompute_old_logprobs or algo.stale_samples == "correct"
+        recompute = self.recompute or algo.stale_samples == "correct"
         proximal = self._proximal_logprobs(samples, micro, width) if recompute else None
         # Tree ids made unique across processes for tree_mean aggregation.
         tree_ids = [s.tree_id * acc.num_processes + acc.process_index for s in samples]
@@ -435,6 +477,8 @@ class GRPOTrainer:
         metrics["train/grad_norm"] = statistics.fmean(grad_norms) if grad_norms else 0.0
         if skipped:
             metrics["train/nonfinite_skipped"] = skipped
+        if proximal is not None:
+            metrics.update(self._logprob_gap(samples, proximal))
         return metrics
 
     def _optimizer_step(self) -> float | None:
@@ -470,32 +514,66 @@ class GRPOTrainer:
                 f"learning rate (trainer.lr={trainer.lr:g}) may be too high. Last checkpoint: "
                 f"{latest[-1] if latest else 'none'}")
 
+    def _logprob_gap(self, samples: list[TrainingSample], proximal: list[torch.Tensor]) -> dict[str, float]:
+        """How far the rollout's logprobs of the sampled tokens are from the trainer's: mean and
+        largest |difference| over every process's trained tokens."""
+        total, count, largest = 0.0, 0, 0.0
+        for sample, values in zip(samples, proximal):
+            mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
+            gap = (values[mask] - torch.tensor(sample.old_logprobs)[mask]).abs()
+            total, count = total + gap.sum().item(), count + gap.numel()
+            largest = max(largest, gap.max().item()) if gap.numel() else largest
+        parts = gather(self.accelerator, (total, count, largest))
+        counted = sum(c for _, c, _ in parts)
+        return {"rollout/logprob_diff_mean": sum(t for t, _, _ in parts) / max(counted, 1),
+                "rollout/logprob_diff_max": max(m for _, _, m in parts)}
+
     @torch.no_grad()
     def _proximal_logprobs(self, samples: list[TrainingSample], micro: list[list[int]],
                            width: int | None) -> list[torch.Tensor]:
         """Logprobs of every sample under the current weights, once, before any update: the
         proximal policy of decoupled PPO (the sampled logprobs become behaviour logprobs).
-        The rollout model holds exactly those weights and needs no collective."""
+        The rollout model holds exactly those weights and needs no collective; without one
+        (FSDP with vLLM) the sharded model runs, as many passes on every process."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        self.rollout_model.eval()
-        for batch in micro:
+        model = self._full_model
+        model.eval()
+        for batch in self._every_process_alike(micro):
+            if not batch:
+                self._empty_pass(model)
+                continue
             rows = [samples[i] for i in batch]
             mb = collate(rows, [0.0] * len(rows), self.policy.tokenizer.pad_token_id, width).to(self.accelerator.device)
-            logp, _, _ = self._logprobs(self.rollout_model, mb)
+            logp, _, _ = self._logprobs(model, mb)
             for i, values in zip(batch, mb.per_sample(logp)):
                 out[i] = values.float().cpu()
         return out
+
+    def _every_process_alike(self, batches: list[list[int]]) -> list[list[int]]:
+        """``batches``, padded with empty ones to the most any process has when the model's
+        forward passes are collectives (sharded, with no full copy to run instead)."""
+        if self.rollout_model is not None or not self.sharded:
+            return batches
+        return batches + [[]] * (max(gather(self.accelerator, len(batches))) - len(batches))
+
+    def _empty_pass(self, model) -> torch.Tensor:
+        """A one-token forward that only takes part in the collectives of the others' passes."""
+        dummy = torch.full((1, 1), self.policy.tokenizer.pad_token_id, device=self.accelerator.device)
+        return model(input_ids=dummy).logits
 
     def _logprobs(self, model, mb, entropy: bool = False, decision: bool = False):
         """Input-aligned logprobs of the sampling distribution (logits / temperature) from the
         micro-batch's first sampled token on; if asked, the entropy of each position's
         distribution, and the binary entropy of the spawn-open token on the roots' decision
-        tokens (`token_choice_entropy`); None for what was not asked."""
+        tokens (`token_choice_entropy`); None for what was not asked. Under the run's mixed
+        precision whatever the model: a rollout copy or a KL reference computes as the
+        trained model does (a no-op in float32)."""
         first = mb.first_trained_position()
-        logp, logits = forward_logprobs(model, mb.input_ids, mb.attention_mask,
-                                        self.config.rollout.temperature or 1.0,
-                                        position_ids=mb.position_ids, from_position=first,
-                                        share_prefix=self.share_prompts)
+        with self.accelerator.autocast():
+            logp, logits = forward_logprobs(model, mb.input_ids, mb.attention_mask,
+                                            self.config.rollout.temperature or 1.0,
+                                            position_ids=mb.position_ids, from_position=first,
+                                            share_prefix=self.share_prompts)
         skipped = logp.shape[1] - logits.shape[1]  # the columns the logits start after
         full = left_pad(token_entropy(logits), skipped) if entropy else None
         choice = None
@@ -509,9 +587,12 @@ class GRPOTrainer:
         loss_config = self.config.algo.loss
         if not batch:
             # Nothing to learn on this process, but the others all-reduce gradients: take part
-            # with a zero loss through a real forward pass (DDP needs its hooks to fire).
-            dummy = torch.full((1, 1), self.policy.tokenizer.pad_token_id, device=self.accelerator.device)
-            self.accelerator.backward(self.model(input_ids=dummy).logits.sum() * 0.0)
+            # with a zero loss through a real forward pass (DDP needs its hooks to fire), and in
+            # a reference pass where that is a collective too.
+            if loss_config.kl_coef > 0 and self._reference_is_collective:
+                with torch.no_grad(), self._reference_context():
+                    self._empty_pass(self.reference if self.reference is not None else self._full_model)
+            self.accelerator.backward(self._empty_pass(self.model).sum() * 0.0)
             return {"tokens": 0}
         mb = collate(batch, weights, self.policy.tokenizer.pad_token_id, width).to(self.accelerator.device)
         ref = None
@@ -538,8 +619,18 @@ class GRPOTrainer:
         """Logprobs under the KL reference: a frozen copy, or the base with LoRA disabled."""
         if self.reference is not None:
             return self._logprobs(self.reference, mb)[0]
-        with self.rollout_model.disable_adapter():
-            return self._logprobs(self.rollout_model, mb)[0]
+        with self._reference_context():
+            return self._logprobs(self._full_model, mb)[0]
+
+    def _reference_context(self):
+        """The adapter disabled for a LoRA reference pass (nothing to do for a frozen copy)."""
+        return contextlib.nullcontext() if self.reference is not None else self._full_model.disable_adapter()
+
+    @property
+    def _reference_is_collective(self) -> bool:
+        """Whether a reference pass is a collective: a sharded copy, or LoRA's base through
+        the sharded model."""
+        return self.sharded and (self.reference is not None or self.rollout_model is None)
 
     # ------------------------------------------------------------------ evaluation and logs
 

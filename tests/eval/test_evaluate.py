@@ -4,6 +4,7 @@ configuration errors, the plain-argument entry point, bootstrap intervals."""
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import re
 from collections import defaultdict
@@ -11,6 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from eval_helpers import (
     ScriptedPolicy,
     delegation_script,
@@ -32,8 +34,13 @@ from selfcest.eval import (
     read_trees,
     run_evaluation,
 )
+from selfcest.eval.cli import run_eval
+from selfcest.eval.config import EvalConfig
 from selfcest.task import Task
+from selfcest.train.config import TaskSourceConfig
 
+# The module (selfcest.eval exports its function of the same name).
+evaluate_module = importlib.import_module("selfcest.eval.evaluate")
 BASE = Budget(node_generation=64, tree_generation=64, node_context=512)
 
 
@@ -276,6 +283,25 @@ def test_run_evaluation_with_plain_arguments(scripted, tmp_path):
     with pytest.raises(ValueError, match="unknown field"):
         run_evaluation(scripted, {"id": tasks_file}, [64], [{"name": "x", "kind": "clones", "k": 2}],
                        exact_match, tmp_path / "bad")
+
+
+def test_a_saved_policy_is_evaluated_on_this_processs_gpu_or_the_given_device(tiny_policy, tmp_path, monkeypatch):
+    """``selfcest-eval`` loads a saved policy where it decodes: with ``device=auto`` this
+    process's GPU where there is one (`default_device`; pretended here by "meta"), else the
+    device named."""
+    tiny_policy.save_pretrained(tmp_path / "policy")
+    monkeypatch.setattr(evaluate_module, "default_device", lambda: torch.device("meta"))
+    seen = []
+
+    def record(policy, *args, **kwargs):
+        seen.append(next(policy.model.parameters()).device)
+        return EvalResults(cells=[], splits={}, methods=[], budgets=[])
+
+    monkeypatch.setattr(evaluate_module, "evaluate", record)
+    for device in ("auto", "cpu"):
+        run_eval(EvalConfig(policy=str(tmp_path / "policy"), device=device, out_dir=str(tmp_path / device),
+                            splits={"id": TaskSourceConfig("keyed_sum", {"split": "test"})}, tasks_per_split=1))
+    assert seen == [torch.device("meta"), torch.device("cpu")]
 
 
 # ---------------------------------------------------------------------------- bootstrap

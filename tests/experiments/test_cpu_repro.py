@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from selfcest.experiments import cpu_repro
 from selfcest.configure import ConfigError
 from selfcest.experiments.cpu_repro import (
     check_resume,
     compose,
+    load_policy,
     monolithic_twin,
     run,
     train_arm,
@@ -108,3 +111,17 @@ def test_a_finished_warm_start_is_reused_when_resuming_and_trained_again_otherwi
 
     warm_start_folder(fresh, tmp_path / "sft", log=lambda message: None)
     assert weights.stat().st_mtime_ns != trained_at
+
+
+def test_an_experiment_evaluates_a_saved_policy_on_this_processs_gpu_with_the_run_backend(tiny_policy, tmp_path,
+                                                                                           monkeypatch):
+    """Every experiment loads its saved policies (`load_policy`) where it decodes, this
+    process's GPU where there is one ("meta" pretends one here), decoding with the run's
+    rollout.backend and its vLLM settings."""
+    tiny_policy.save_pretrained(tmp_path / "policy")
+    monkeypatch.setattr(cpu_repro, "default_device", lambda: torch.device("meta"))
+    config = compose("cpu_repro_quick", ["rollout.vllm.dtype=float32"])
+    config.rollout.backend = "vllm"  # set after validation: vLLM need not be installed to read it
+    policy = load_policy(config, tmp_path / "policy")
+    assert next(policy.model.parameters()).device == torch.device("meta")
+    assert policy.serving.backend == "vllm" and policy.serving.vllm.dtype == "float32"

@@ -17,18 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from dataset_sources import write_downloads
-from helpers import commands, readme_blocks, script_main, shell
+from helpers import README_MODEL as MODEL
+from helpers import SMALL_RUN as SMALL
+from helpers import commands, readme_blocks, script_main, shell, write_stand_in
 
 from selfcest.configure import CONFIG_DIR
-from selfcest.policy import ClonePolicy
 
 PAPER = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("paper_*.yaml"))
-MODEL = "/path/to/model"  # the README's placeholder
-# One step, evaluated; two prompts per step, two held-out tasks. The group size stays the
-# paper's 4 trees, so groups hold both rewards of the stand-in.
-SMALL = ("trainer.steps=1", "trainer.eval_every=1", "trainer.prompts_per_step=2", "task.eval_size=2")
 # Experiments whose answers the stand-in can write ("7", as the sources' answers): their
 # groups differ and the step updates the weights. The arithmetic tasks' answers are large
 # integers it never writes, so their groups tie and the step trains nothing (every group is
@@ -47,31 +43,6 @@ def runnable(command: str, model: Path) -> str:
         command = command.replace("selfcest-train", f"{sys.executable} -m selfcest.train", 1)
         command = " ".join([command.replace(f"model.name={MODEL}", f"model.name={model}"), *SMALL])
     return command
-
-
-def write_stand_in(folder: Path) -> None:
-    """A tiny random Qwen2 (Hermes tool calls, as `model=hf` uses) that ends its turn at
-    once when greedy, and writes a few "7" and newline tokens first when sampling.
-
-    A random model writes garbage up to its budget (4096 tokens per node in these runs, minutes
-    on a CPU). This one samples about 3 tokens, and the last line it writes is "7" in about a
-    quarter of its outputs, so on tasks whose answer is 7 a group of 4 trees mostly holds both
-    rewards; evaluation (greedy) ends at once. How: every input embedding gets one shared
-    direction, which then dominates the residual stream, so the last hidden state points
-    along it whatever the text; the output rows (tied to the embeddings) of three tokens get
-    more of it, so those tokens take nearly all the probability: the end of turn most, then
-    newline, then "7".
-    """
-    policy = ClonePolicy.build_tiny(seed=0, size="tiny", protocol="tool")
-    embeddings = policy.model.get_input_embeddings().weight
-    direction = torch.randn(embeddings.shape[1], generator=torch.Generator().manual_seed(0))
-    direction /= direction.norm()
-    tokenizer = policy.tokenizer
-    with torch.no_grad():
-        embeddings += 2.0 * direction
-        for token, weight in ((tokenizer.eos_token, 2.0), ("Ċ", 1.97), ("7", 1.95)):  # Ċ: newline
-            embeddings[tokenizer.convert_tokens_to_ids(token)] += weight * direction
-    policy.save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")

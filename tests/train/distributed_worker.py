@@ -1,10 +1,13 @@
 """Run by torchrun in test_distributed.py: CPU processes train two steps, data parallel
 (``ddp``) or sharded (``fsdp``); each writes what the test compares.
 
-    distributed_worker.py OUT REWARD ddp|node|node_vllm|fsdp|fsdp_lora|fsdp_lora_tokens
+    distributed_worker.py OUT REWARD ddp|node|vllm|node_vllm|fsdp|fsdp_vllm|fsdp_lora|fsdp_lora_tokens
 
 ``node`` is data parallel with one engine for the node, on its first process
-(rollout.engine_per_node); ``node_vllm`` the same with a vLLM engine. ``fsdp_lora`` passes
+(rollout.engine_per_node); ``vllm`` data parallel with a vLLM engine in every process (vLLM's
+external launcher); ``node_vllm`` one tensor-parallel vLLM engine over the node's two
+processes, driven by the first; ``fsdp_vllm`` sharded, with a vLLM engine in every process fed
+from the shards. ``fsdp_lora`` passes
 a LoRA policy without trainable tokens (what a pretrained model whose vocabulary holds the
 protocol's tokens gets); ``fsdp_lora_tokens`` the config's own, which the trainer must
 refuse.
@@ -71,10 +74,11 @@ def config(resume: bool = False, lora: bool = "lora" in mode) -> TrainConfig:
     config.rollout.engine_per_node = mode.startswith("node")
     if mode == "node":
         config.trainer.save_every = 1  # the test compares the weights after the first step
-    if mode == "node_vllm":
+    if mode.endswith("vllm"):
         config.model.name = "small"  # vLLM's CPU attention needs heads of 32
         config.rollout.backend = "vllm"
-        config.rollout.vllm = VLLMConfig(dtype="float32", max_model_len=512, enforce_eager=True)
+        config.rollout.vllm = VLLMConfig(dtype="float32", max_model_len=512, enforce_eager=True,
+                                         tensor_parallel_size=2 if mode == "node_vllm" else 1)
     if lora:
         config.model.lora = LoraSettings(r=4, alpha=8)
     return config
@@ -89,8 +93,9 @@ def policy() -> ClonePolicy | None:
 
 
 def full(model) -> dict[str, torch.Tensor]:
-    """Every parameter, whole, by name (of the rollout model: unsharded)."""
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    """Every parameter, whole, by name (a sharded one gathered: every process calls)."""
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()}
 
 
 def record_trees(trainer) -> list[list[list[int]]]:
@@ -140,6 +145,10 @@ def main() -> None:
     (out / f"rank{rank}.json").write_text(json.dumps({
         "world": trainer.accelerator.num_processes,
         "backend": type(trainer.backend).__name__,
+        "follower": getattr(trainer.backend, "is_follower", None),
+        "sync": getattr(getattr(trainer.backend, "last_sync", None), "method", None),
+        "rollout_copy": trainer.rollout_model is not None,
+        "logprob_diff_max": max(m.get("rollout/logprob_diff_max", 0.0) for m in history),
         "stale_refused": sum(m["samples/stale_refused"] for m in history),
         "sharded": isinstance(shard, DTensor) and shard.to_local().numel() < shard.numel(),
         "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),

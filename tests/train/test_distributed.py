@@ -1,17 +1,22 @@
 """Real processes (torchrun, gloo on CPU), data parallel and FSDP2-sharded: ranks stay
 identical, sharding trains the same weights as data parallelism, one engine per node trains
-the same weights as one process, and checkpoints resume under any world size."""
+the same weights as one process, and checkpoints resume under any world size; with vLLM
+(vllm-cpu, the vLLM stage), engines per process and per node, FSDP2 streaming its shards, and
+the README's multi-node line itself on two simulated machines."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import string
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import README_MODEL, REPO, SMALL_RUN, commands, readme_blocks, write_stand_in
 from safetensors.torch import load_file
 from test_trainer import DIGIT_REWARD, small_config
 
@@ -167,20 +172,98 @@ def test_one_engine_per_node_on_two_nodes(tmp_path):
         assert_same(ranks[0]["weights"], other["weights"])
 
 
-@pytest.mark.vllm
-@pytest.mark.distributed
-def test_one_vllm_engine_serves_the_node(tmp_path):
+CPU_ENGINE = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+
+
+def launch_vllm(tmp_path: Path, mode: str, port: int) -> list[dict]:
     """Run in the vLLM environment: .venv-vllm/bin/python -m pytest -m vllm tests/train/test_distributed.py"""
     pytest.importorskip("vllm")
-    cpu_engine = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                  "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
-    ranks = launch(tmp_path / "run", "node_vllm", 29539, env=cpu_engine)
-    assert [r["backend"] for r in ranks] == ["VLLMBackend", "FollowerBackend"]
-    # Every sync verified by the leader's probe (a failed one raises); the follower's trees
-    # carried the version it was told, so none was refused as stale.
+    return launch(tmp_path / "run", mode, port, env={**CPU_ENGINE, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")})
+
+
+@pytest.mark.vllm
+@pytest.mark.distributed
+def test_every_process_runs_its_own_vllm_engine(tmp_path):
+    """Data parallel, an engine per process through vLLM's external launcher (its worker is
+    this process, on this process's device), weights handed over in memory."""
+    ranks = launch_vllm(tmp_path, "vllm", 29541)
+    assert [r["backend"] for r in ranks] == ["VLLMBackend"] * 2 and [r["sync"] for r in ranks] == ["tensors"] * 2
     assert [r["stale_refused"] for r in ranks] == [0, 0]
     assert ranks[0]["changed"] == ranks[0]["trainable"]
     assert_same(ranks[0]["weights"], ranks[1]["weights"])
+    # Recomputed old logprobs by default; float32 engines: rounding only.
+    assert all(r["logprob_diff_max"] <= 1e-4 for r in ranks)
     # Resuming builds a second trainer after closing the first: closing the engine must
     # leave the trainer's process group alone (vLLM's own shutdown destroys it).
     assert all(r["resumed_equal"] for r in ranks)
+
+
+@pytest.mark.vllm
+@pytest.mark.distributed
+def test_one_vllm_engine_serves_the_node(tmp_path):
+    """One tensor-parallel engine over the node's two processes: each holds its shard and
+    loads its weights in memory; the first drives the rollout and the other replays its
+    engine's steps, so their collectives match."""
+    ranks = launch_vllm(tmp_path, "node_vllm", 29539)
+    assert [r["backend"] for r in ranks] == ["VLLMBackend"] * 2 and [r["follower"] for r in ranks] == [False, True]
+    assert [r["sync"] for r in ranks] == ["tensors"] * 2
+    # Every sync verified by each process's probe (a failed one raises); the follower's
+    # trees carried the version it was told, so none was refused as stale.
+    assert [r["stale_refused"] for r in ranks] == [0, 0]
+    assert ranks[0]["changed"] == ranks[0]["trainable"]
+    assert_same(ranks[0]["weights"], ranks[1]["weights"])
+    assert all(r["resumed_equal"] for r in ranks)
+
+
+@pytest.mark.vllm
+@pytest.mark.distributed
+def test_fsdp_streams_its_shards_into_vllm(tmp_path):
+    """Sharded training keeps no full rollout copy with vLLM: each tensor is gathered whole
+    and streamed into the engine, and the proximal and reference passes run sharded."""
+    ranks = launch_vllm(tmp_path, "fsdp_vllm", 29542)
+    assert all(r["sharded"] for r in ranks) and not any(r["rollout_copy"] for r in ranks)
+    assert [r["sync"] for r in ranks] == ["tensors"] * 2 and [r["stale_refused"] for r in ranks] == [0, 0]
+    assert ranks[0]["changed"] == ranks[0]["trainable"]
+    assert_same(ranks[0]["weights"], ranks[1]["weights"])
+    assert all(r["logprob_diff_max"] <= 1e-4 for r in ranks)
+    assert all(r["resumed_equal"] for r in ranks)
+
+
+MULTI_NODE = next(c for c in commands(readme_blocks("## Scaling out")[0]) if "--num_machines" in c)
+
+
+@pytest.mark.vllm
+@pytest.mark.distributed
+def test_the_readmes_multi_node_command_trains_on_two_machines(tmp_path):
+    """The README's line for several nodes, as printed (its accelerate config file, vLLM), on
+    two simulated machines of one CPU process each: the stand-in model, small sizes, vllm-cpu's
+    settings (no sleep mode, float32) and this machine's address are all that change.
+    accelerate shards only on accelerators, so here the run is data parallel."""
+    pytest.importorskip("vllm")
+    write_stand_in(tmp_path / "model", size="small")  # vLLM's CPU attention needs heads of 32
+    cpu = ["rollout.vllm.enable_sleep_mode=false", "rollout.vllm.dtype=float32", "rollout.budget.node_context=512",
+           "rollout.vllm.max_model_len=512", f"trainer.output_dir={tmp_path / 'run'}", "log.progress=false"]
+    # The README's line with these changes only; each piece must be there to change.
+    changes = {"--num_processes 16": "--num_processes 2", "--main_process_port 29500": "--main_process_port 29543",
+               f"model.name={README_MODEL}": f"model.name={tmp_path / 'model'}",
+               "accelerate launch ": f"{sys.executable} -m accelerate.commands.launch "}
+    line = MULTI_NODE
+    for old, new in changes.items():
+        assert line.count(old) == 1, f"the README's multi-node line has no {old!r} any more"
+        line = line.replace(old, new)
+    runs = [subprocess.Popen(shlex.split(string.Template(line).substitute(NODE_RANK=rank, MASTER_ADDR="127.0.0.1"))
+                             + [*SMALL_RUN, *cpu], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, **CPU_ENGINE, "OMP_NUM_THREADS": "1",
+                                             "VLLM_CACHE_ROOT": str(tmp_path / "cache")})
+            for rank in (0, 1)]
+    for run in runs:
+        _, stderr = run.communicate(timeout=600)
+        assert run.returncode == 0, stderr[-3000:]
+    # One world of two processes: one step, logged once (by rank 0), every sync verified by
+    # the probe, and a checkpoint of that world. (The stand-in never writes the arithmetic
+    # tasks' large answers, so their groups tie and the step trains on no sample.)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 1 and metrics[0]["sync/probe_max_diff"] <= metrics[0]["sync/probe_atol"]
+    checkpoint = list_checkpoints(tmp_path / "run")[-1]
+    assert json.loads((checkpoint / "state.json").read_text())["world_size"] == 2
+    assert sorted(p.name for p in checkpoint.glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]

