@@ -45,6 +45,7 @@ import json
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -193,6 +194,30 @@ def timed(timings: dict[str, float], phase: str, log=say):
     log(f"{phase} done in {timings[phase]:.0f}s")
 
 
+def validation_score(config: TrainConfig) -> Callable[[ClonePolicy], float] | None:
+    """The score SFT checkpoints are kept by: the lower of the two arms' greedy accuracy on
+    the first ``warm_start.validation_tasks`` tasks of the training split (never demonstrated:
+    the demonstrations come from another seed), the clone arm under its budget and the
+    monolithic twin on its view with spawning off; so a checkpoint scores well only when both
+    arms' styles work. None without validation tasks."""
+    n = config.warm_start.validation_tasks
+    if not n:
+        return None
+    tasks = load_split(config.task, "train")[:n]
+    twin, greedy = monolithic_twin(config), SamplingParams(temperature=0.0)
+    arms = [(config, tasks), (twin, _view(config, tasks))]
+
+    def score(policy: ClonePolicy) -> float:
+        accuracies = []
+        for arm, arm_tasks in arms:
+            trees = policy.engine(arm.rollout.budget, greedy).rollout(arm_tasks)
+            score_trees(trees, arm_tasks, build_reward(arm))
+            accuracies.append(statistics.fmean(float(t.correct) for t in trees))
+        return min(accuracies)
+
+    return score
+
+
 def warm_start_folder(config: TrainConfig, folder: Path, log=say, score=None) -> Path:
     """The warm-start policy saved in ``folder``: trained by SFT from a fresh model (validated
     by ``score`` if given, `selfcest.train.sft.train_sft`), copied from ``warm_start.policy``
@@ -238,7 +263,7 @@ def run(config: TrainConfig, log=say) -> dict:
     check_resume(config)
     start = time.perf_counter()
     with timed(timings, "warm start (SFT)", log):
-        warm_start_folder(config, out / "sft", log)
+        warm_start_folder(config, out / "sft", log, score=validation_score(config))
     with timed(timings, "warm-start check", log):
         checked = warm_start_check(config, settings, out / "sft")
     log(f"warm-start check: {json.dumps(checked)}")

@@ -334,9 +334,10 @@ class WarmStartConfig:
         "rollout budget, so the warm start shows only what RL may do"))
     sft: SFTConfig = setting(help="supervised training settings", factory=SFTConfig)
     validation_tasks: int = setting(0, help=(
-        "tasks per size of the warm-start source's test split (never demonstrated, never held "
-        "out for the experiment) that an experiment scores SFT checkpoints on every "
-        "sft.validate_every steps (0: no validation; selfcest.experiments.controller)"))
+        "tasks that an experiment scores SFT checkpoints on every sft.validate_every steps, "
+        "never demonstrated and never held out (0: no validation): the controller takes this "
+        "many per size of the warm-start source's test split, the CPU reproduction this many "
+        "of the task's training split, each arm on its view"))
     policy: str | None = setting(None, help=(
         "a policy folder an earlier warm start saved (selfcest-sft's <output_dir>/sft) to "
         "start from instead of running this one"))

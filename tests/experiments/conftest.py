@@ -8,9 +8,9 @@ import pytest
 from selfcest.experiments.cpu_repro import compose
 from selfcest.train.setup import run_warm_start
 
-# The CPU reproduction at its smallest: 4 SFT steps, then 2 prompts x 2 trees per RL step and
+# The CPU reproduction at its smallest: 4 SFT steps validated on 2 tasks, then 2 prompts x 2 trees per RL step and
 # a few held-out tasks, 2 trees each.
-TINY = ["warm_start.sft.steps=4", "warm_start.sft.sequences_per_step=4", "trainer.steps=2",
+TINY = ["warm_start.sft.steps=4", "warm_start.sft.sequences_per_step=4", "warm_start.validation_tasks=2", "trainer.steps=2",
         "trainer.prompts_per_step=2", "trainer.trees_per_prompt=2", "eval.tasks_per_split=4",
         "eval.reward_samples=2", "eval.bootstrap_samples=50", "log.progress=false"]
 

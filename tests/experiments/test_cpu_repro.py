@@ -18,6 +18,7 @@ from selfcest.experiments.cpu_repro import (
     monolithic_twin,
     run,
     train_arm,
+    validation_score,
     warm_start_folder,
 )
 from selfcest.train.config import validate
@@ -111,6 +112,31 @@ def test_a_finished_warm_start_is_reused_when_resuming_and_trained_again_otherwi
 
     warm_start_folder(fresh, tmp_path / "sft", log=lambda message: None)
     assert weights.stat().st_mtime_ns != trained_at
+
+
+def test_the_warm_start_is_validated_on_both_arms_and_scored_by_the_weaker(tiny_cpu_repro, tmp_path, monkeypatch):
+    """Each arm solves the validation tasks greedily in its own view and budget (the clone
+    arm's keys-only prompts with spawning on, the twin's printed lists with it off); the
+    score is the weaker arm's accuracy."""
+    config = tiny_cpu_repro(tmp_path)
+    policy = load_policy(config, config.warm_start.policy)
+    depths, prompts, engine = [], [], policy.engine
+
+    def recording_engine(budget, sampling, **kwargs):
+        depths.append((budget.max_depth, sampling.temperature))
+        return engine(budget, sampling, **kwargs)
+
+    def monolithic_right(trees, tasks, reward_fn):  # the twin's answers right, the clones' wrong
+        prompts.append([t.prompt for t in tasks])
+        for tree in trees:
+            tree.correct = depths[-1][0] == 0
+
+    policy.engine = recording_engine
+    monkeypatch.setattr(cpu_repro, "score_trees", monolithic_right)
+    assert validation_score(config)(policy) == 0.0
+    assert depths == [(config.rollout.budget.max_depth, 0.0), (0, 0.0)] and depths[0][0] > 0
+    assert len(prompts[0]) == len(prompts[1]) == 2 and prompts[0] != prompts[1]
+    assert validation_score(tiny_cpu_repro(tmp_path, "warm_start.validation_tasks=0")) is None
 
 
 def test_an_experiment_evaluates_a_saved_policy_on_this_processs_gpu_with_the_run_backend(tiny_policy, tmp_path,
