@@ -83,11 +83,26 @@ def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settin
         against_start=_against_start(results, eval_dir, budget),
         dominance=_dominance(results, sc), leads=_leads(results, eval_dir, sc),
         examples=_examples(config, results, eval_dir, budget),
+        verdict=rl_verdict,
         evaluation=(eval_dir / "results.md").read_text().replace("# Evaluation", "", 1).strip(),
     )
     report = out / "report.md"
     report.write_text(text)
     return report
+
+
+def rl_verdict(value: float, low: float, high: float, start_accuracy: float) -> str:
+    """What RL did to a measure, said plainly: it gains or loses when the interval is clear
+    of 0; otherwise no change is resolved, and why: the change lies within the interval's
+    half-width, and the start left only so much accuracy to gain."""
+    if low > 0:
+        return "gains"
+    if high < 0:
+        return "loses"
+    if low == high:
+        return "no change: every task scored the same before and after RL"
+    return (f"no resolved change: {value:+.3f} is within the interval's half-width {(high - low) / 2:.3f} "
+            f"(the SFT start left {1 - start_accuracy:.2f} of accuracy to gain)")
 
 
 def _against_start(results: EvalResults, eval_dir: Path, budget: int) -> list[tuple]:

@@ -11,7 +11,7 @@ from selfcest.eval.report import markdown_report
 from selfcest.eval.results import CellResult, EvalResults
 from selfcest.eval.stats import Estimate
 from selfcest.experiments.cpu_repro import compose, monolithic_twin
-from selfcest.experiments.report import write_repro_report
+from selfcest.experiments.report import rl_verdict, write_repro_report
 from selfcest.train.config import EvaluationConfig
 from selfcest.tree import CloneTree, Node, Segment
 
@@ -151,15 +151,16 @@ def test_wall_time_and_held_out_reward_tables(report):
     assert "| total | 250 |" in text
     findings = section(text, "Findings")
     assert "2 samples per task, 4 in-distribution tasks never trained on" in findings
-    assert "| clones | 0.512 | 0.400 | +0.112 [+0.050, +0.170] | 0.61 | 0.50 |" in findings
-    assert "| monolithic | 0.300 | 0.320 | -0.020 [-0.080, +0.040] | 0.40 | 0.42 |" in findings
+    assert "| clones | 0.512 | 0.400 | +0.112 [+0.050, +0.170] | 0.61 | 0.50 | gains |" in findings
+    assert ("| monolithic | 0.300 | 0.320 | -0.020 [-0.080, +0.040] | 0.40 | 0.42 | no resolved change: -0.020 "
+            "is within the interval's half-width 0.060 (the SFT start left 0.58 of accuracy to gain) |") in findings
 
 
 def test_accuracy_against_the_sft_start_and_frontiers(report):
     findings = section(report[0], "Findings")
     assert "Greedy accuracy at the training budget (1024 tokens)" in findings
     # Every task gained: the paired interval collapses onto the difference.
-    assert "| clones | in-distribution | 1.00 | 0.00 | +1.00 [+1.00, +1.00] |" in findings
+    assert "| clones | in-distribution | 1.00 | 0.00 | +1.00 [+1.00, +1.00] | gains |" in findings
     assert "| monolithic | out-of-distribution | 0.25 | 0.00 | +0.25 [" in findings
     # sc@4 at 256 costs 26 critical-path tokens, less than any clone point: not covered.
     assert "| clones | monolithic | in-distribution | yes | yes |" in findings
@@ -186,3 +187,11 @@ def test_example_trees_evidence_and_full_evaluation(report):
     page = (out / "eval" / "trace.html").read_text()
     assert page.count("<details class=\"tree\"") == 2 * TASKS  # the first five of each split
     assert "{{ 7*7 }}" in page and ">49<" not in page and "<b>" not in page
+
+
+def test_every_rl_arm_is_said_to_gain_lose_or_not_and_why():
+    assert rl_verdict(0.05, 0.01, 0.09, 0.4) == "gains"
+    assert rl_verdict(-0.05, -0.09, -0.01, 0.4) == "loses"
+    assert rl_verdict(0.0, 0.0, 0.0, 0.0) == "no change: every task scored the same before and after RL"
+    assert rl_verdict(0.01, -0.03, 0.05, 0.98) == ("no resolved change: +0.010 is within the interval's "
+                                                   "half-width 0.040 (the SFT start left 0.02 of accuracy to gain)")
