@@ -76,10 +76,17 @@ def script_main(name: str):
     return load_module(f"scripts/{name}.py", f"script_{name}").main
 
 
+# The pages whose every command block a test runs: the README and the user guide beside it.
+USER_PAGES = ("README.md", "docs/architecture.md", "docs/training.md", "docs/paper_runs.md",
+              "docs/development.md")
+
+
 def readme_blocks(heading: str, language: str = "bash") -> list[str]:
-    """The ``language`` blocks under a README heading, up to the next heading of any level."""
-    text = (REPO / "README.md").read_text()
-    section = re.split(r"\n#{2,3} ", text.split(f"\n{heading}\n", 1)[1], maxsplit=1)[0]
+    """The ``language`` blocks under a heading of the user pages (`USER_PAGES`, where each
+    heading is on one page only), up to the next heading of any level."""
+    pages = [text for page in USER_PAGES if f"\n{heading}\n" in (text := (REPO / page).read_text())]
+    assert len(pages) == 1, f"{heading!r} is on {len(pages)} of the user pages, not one"
+    section = re.split(r"\n#{2,3} ", pages[0].split(f"\n{heading}\n", 1)[1], maxsplit=1)[0]
     return re.findall(rf"```{language}\n(.*?)```", section, re.DOTALL)
 
 

@@ -1,4 +1,5 @@
-"""Every command block of README.md is run by a test, or composed where it needs GPUs.
+"""Every command block of README.md and the user guide beside it (`helpers.USER_PAGES`) is run
+by a test, or composed where it needs GPUs.
 
 The paper runs' and own-data blocks are run by tests/experiments/test_paper_experiments.py;
 this file runs the others and fails when a block has no test (`COVERED`). A line runs as a
@@ -22,7 +23,7 @@ import subprocess
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import launch_command_parser
-from helpers import REPO, commands, readme_blocks, shell
+from helpers import REPO, USER_PAGES, commands, readme_blocks, shell
 
 from selfcest.cli import register_schemas
 from selfcest.configure import compose, validate
@@ -34,40 +35,49 @@ from selfcest.train.config import TrainConfig
 
 register_schemas()
 
-# Each README heading with fenced blocks: their languages in order ("" for a block that is
-# not commands), and the tests that cover them.
+# Each heading of the user pages with fenced blocks: their languages in order ("" for a
+# block that is not commands), and the tests that cover them.
 COVERED = {
-    "## Quickstart": ["bash"],  # test_quickstart_make_targets_run_what_the_readme_says
-    "### A real pretrained model: SmolLM2-135M-Instruct": ["bash"],  # experiments/test_smollm.py (slow)
-    "## Does RL learn to delegate? The controller experiment": ["bash"],  # test_controller_lines_* (slow)
-    "## In a notebook": ["python"],  # test_notebook_snippet_prints_an_answer_a_tree_and_costs
-    "## How it works": [""],  # a diagram
-    "## Training": ["bash"],  # test_training_*, test_cpu_repro_training_lines_* (paper)
-    "## Evaluation and traces": ["bash"],  # test_eval_line_writes_the_trees_the_view_line_renders
-    "## Scaling out": ["bash"],  # test_scaling_out_line_composes_and_validates_but_is_not_run
-    "## Reproducing the paper's runs": ["bash", "bash"],  # experiments/test_paper_experiments.py
-    "### Your own data": ["bash"],  # experiments/test_paper_experiments.py
-    "## Development": ["bash"],  # test_development_*, test_*_benchmark_*
-    "### Against TRL": ["bash"],  # benchmarks/test_vs_trl.py (marked trl)
-    "### Layout": [""],  # a file list
+    ("README.md", "## Quickstart"): ["bash"],  # test_quickstart_make_targets_run_what_the_readme_says
+    ("README.md", "### RL decides when to delegate, and the decision follows the cost"): ["bash"],  # test_controller_lines_*
+    ("README.md", "### A real pretrained model: SmolLM2-135M-Instruct"): ["bash"],  # experiments/test_smollm.py (slow)
+    ("README.md", "## In a notebook"): ["python"],  # test_notebook_snippet_prints_an_answer_a_tree_and_costs
+    ("docs/architecture.md", "## How it works"): [""],  # a diagram
+    ("docs/training.md", "## Training"): ["bash"],  # test_training_*, test_cpu_repro_training_lines_* (paper)
+    ("docs/training.md", "## Evaluation and traces"): ["bash"],  # test_eval_line_writes_the_trees_the_view_line_renders
+    ("docs/training.md", "## Scaling out"): ["bash"],  # test_scaling_out_line_composes_and_validates_but_is_not_run
+    ("docs/paper_runs.md", "## Reproducing the paper's runs"): ["bash", "bash"],  # experiments/test_paper_experiments.py
+    ("docs/paper_runs.md", "### Your own data"): ["bash"],  # experiments/test_paper_experiments.py
+    ("docs/development.md", "## Development"): ["bash"],  # test_development_*, test_*_benchmark_*
+    ("docs/development.md", "### Against TRL"): ["bash"],  # benchmarks/test_vs_trl.py (marked trl)
+    ("docs/development.md", "### Layout"): [""],  # a file list
 }
 
 
-def fenced_blocks() -> dict[str, list[str]]:
-    """Each heading of README.md with the languages of the fenced blocks under it, in order."""
-    blocks, heading, fenced = {}, None, False
-    for line in (REPO / "README.md").read_text().splitlines():
-        if line.startswith("```"):
-            if not fenced:
-                blocks.setdefault(heading, []).append(line[3:].strip())
-            fenced = not fenced
-        elif not fenced and re.match(r"#{2,3} ", line):
-            heading = line
+def fenced_blocks() -> dict[tuple[str, str], list[str]]:
+    """Each (page, heading) of the user pages with the languages of the fenced blocks under
+    it, in order."""
+    blocks = {}
+    for page in USER_PAGES:
+        heading, fenced = None, False
+        for line in (REPO / page).read_text().splitlines():
+            if line.startswith("```"):
+                if not fenced:
+                    blocks.setdefault((page, heading), []).append(line[3:].strip())
+                fenced = not fenced
+            elif not fenced and re.match(r"#{2,3} ", line):
+                heading = line
     return blocks
 
 
-def test_every_readme_block_is_covered_by_a_test():
+def test_every_block_of_the_user_pages_is_covered_by_a_test():
     assert fenced_blocks() == COVERED
+
+
+def test_the_readme_is_short_and_every_page_of_the_docs_is_indexed():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
+    index = (REPO / "docs/README.md").read_text()
+    assert all(f"]({page.name})" in index for page in (REPO / "docs").glob("*.md") if page.name != "README.md")
 
 
 def ok(command: str, cwd) -> subprocess.CompletedProcess:
@@ -289,7 +299,7 @@ def test_decode_cache_benchmark_runs_at_its_smallest():
 
 # ----------------------------------------------------------------------------- Controller
 
-SWEEP, ONE_RUN, QUICK = commands(readme_blocks("## Does RL learn to delegate? The controller experiment")[0])
+SWEEP, ONE_RUN, QUICK = commands(readme_blocks("### RL decides when to delegate, and the decision follows the cost")[0])
 # The one-run line at the quick variant's sizes, from the warm start the quick line saved.
 CONTROLLER_SMALL = ("task.params.n_train=40", "task.params.n_test=12", "task.params.n_ood=12",
                     "task.params.sizes=[2,4,6]", "trainer.steps=2", "trainer.prompts_per_step=2",
