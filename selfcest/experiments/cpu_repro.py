@@ -4,10 +4,12 @@ The paper claims that a model trained end to end with clones (1) improves the
 accuracy-cost Pareto frontier over monolithic baselines at matched inference budget and
 (2) generalises out of distribution. This script tests both at laptop scale::
 
-    python -m selfcest.experiments.cpu_repro                              # make run; ~10 min on 2 cores
+    python -m selfcest.experiments.cpu_repro                              # make run; ~10 min on 2
+    cores
     python -m selfcest.experiments.cpu_repro experiment=cpu_repro_quick   # the test-sized variant
     python -m selfcest.experiments.cpu_repro trainer.steps=40 rollout.budget.node_context=320
-    python -m selfcest.experiments.cpu_repro warm_start.policy=runs/cpu_repro/sft   # reuse a warm start
+    python -m selfcest.experiments.cpu_repro warm_start.policy=runs/cpu_repro/sft   # reuse a warm
+    start
     python -m selfcest.experiments.cpu_repro trainer.resume=true   # resume a stopped run
 
 A Hydra app like ``selfcest-train`` (``--help`` lists every key): the experiment is
@@ -53,8 +55,8 @@ import torch
 
 from selfcest.budget import Budget
 from selfcest.cli import register_schemas
-from selfcest.configure import compose as compose_config
 from selfcest.configure import ConfigError, hydra_app
+from selfcest.configure import compose as compose_config
 from selfcest.eval.delegation import delegation_stats
 from selfcest.eval.evaluate import Method, evaluate
 from selfcest.eval.stats import bootstrap_mean
@@ -65,7 +67,13 @@ from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.registry import BackendSettings
 from selfcest.task import Task
 from selfcest.tasks import TASKS, TEACHERS
-from selfcest.train.checkpoint import RESUME_LATEST, RESUME_OFF, config_changes, resolve_resume, saved_config
+from selfcest.train.checkpoint import (
+    RESUME_LATEST,
+    RESUME_OFF,
+    config_changes,
+    resolve_resume,
+    saved_config,
+)
 from selfcest.train.config import (
     EvaluationConfig,
     TrainConfig,
@@ -94,7 +102,8 @@ class HeldOut:
 
     def difference(self, start: HeldOut, resamples: int = 2000, seed: int = 0) -> dict[str, float]:
         """Mean paired reward difference (self − start) over tasks, with a 95% bootstrap CI."""
-        paired = bootstrap_mean([a - b for a, b in zip(self.reward, start.reward)], resamples, seed=seed)
+        paired = bootstrap_mean([a - b for a, b in zip(self.reward, start.reward)], resamples,
+                                seed=seed)
         return {"reward": statistics.fmean(self.reward), "start": statistics.fmean(start.reward),
                 "difference": paired.value, "low": paired.low, "high": paired.high,
                 "accuracy": statistics.fmean(self.accuracy),
@@ -148,11 +157,13 @@ def serving(config: TrainConfig, policy: ClonePolicy) -> ClonePolicy:
 
 
 def load_policy(config: TrainConfig, folder: Path) -> ClonePolicy:
-    """A saved policy on this process's device (its GPU if there is one), `serving` as configured."""
+    """A saved policy on this process's device (its GPU if there is one), `serving` as
+    configured."""
     return serving(config, ClonePolicy.from_pretrained(folder, device=default_device()))
 
 
-def train_arm(config: TrainConfig, start: Path, output: Path, view=None, log=say) -> tuple[ClonePolicy, list[dict]]:
+def train_arm(config: TrainConfig, start: Path, output: Path, view=None,
+              log=say) -> tuple[ClonePolicy, list[dict]]:
     """GRPO from the warm-start policy saved at ``start``, on the config's tasks seen through
     ``view`` (None: as they are); the trained policy is saved, and every step's metrics
     (``output/metrics.jsonl``) returned.
@@ -199,7 +210,8 @@ def warm_start_folder(config: TrainConfig, folder: Path, log=say, score=None) ->
     when that names an earlier one (with its ``sft.jsonl``), or, under
     ``trainer.resume=true``, the one an earlier run finished in ``folder``."""
     warm_started = config.warm_start.policy
-    if warm_started is None and resuming(config) and (folder / "sft.jsonl").exists():  # written last
+    # written last
+    if warm_started is None and resuming(config) and (folder / "sft.jsonl").exists():
         log(f"reusing the warm start in {folder}")
     elif warm_started is None:
         policy = build_policy(config)
@@ -207,14 +219,16 @@ def warm_start_folder(config: TrainConfig, folder: Path, log=say, score=None) ->
 
         def progress(step: int, metrics: dict) -> None:
             if "sft/validation" in metrics:
-                log(f"warm start: SFT step {step}/{steps}, validation {metrics['sft/validation']:.3f}")
+                log(f"warm start: SFT step {step}/{steps}, validation "
+                    f"{metrics['sft/validation']:.3f}")
             elif step % max(1, steps // 10) == 0 or step == steps:
                 log(f"warm start: SFT step {step}/{steps}, loss {metrics['sft/loss']:.3f}")
 
         history = warm_start(policy, config, held_out_tasks(config), log=progress, score=score)
         policy.save_pretrained(folder)
         with open(folder / "sft.jsonl", "w") as sft_log:
-            sft_log.writelines(json.dumps({"step": n, **m}) + "\n" for n, m in enumerate(history, 1))
+            sft_log.writelines(json.dumps({"step": n, **m}) + "\n" for n,
+                               m in enumerate(history, 1))
     elif Path(warm_started).resolve() != folder.resolve():
         shutil.copytree(warm_started, folder, dirs_exist_ok=True)
     return folder
@@ -245,13 +259,15 @@ def run(config: TrainConfig, log=say) -> dict:
     with timed(timings, "GRPO, clones", log):
         clones, clones_history = train_arm(config, out / "sft", out / "clones")
     with timed(timings, "GRPO, monolithic", log):
-        mono, mono_history = train_arm(twin, out / "sft", out / "monolithic", monolithic_view(config))
+        mono, mono_history = train_arm(twin, out / "sft", out / "monolithic",
+                                       monolithic_view(config))
 
     with timed(timings, "held-out reward", log):
         sft = load_policy(config, out / "sft")
         tasks = evaluation_splits(config, settings)["in-distribution"]
         heldout = {
-            "clones": held_out(config, clones, tasks, settings).difference(held_out(config, sft, tasks, settings)),
+            "clones": held_out(config, clones, tasks,
+                               settings).difference(held_out(config, sft, tasks, settings)),
             "monolithic": held_out(twin, mono, _view(config, tasks), settings).difference(
                 held_out(twin, sft, _view(config, tasks), settings)),
         }
@@ -276,18 +292,20 @@ def check_resume(config: TrainConfig) -> None:
     """Several runs share one ``trainer.resume``: each resumes from its own latest checkpoint
     (true) or none (false); one checkpoint path cannot serve them all."""
     if config.trainer.resume not in (*RESUME_OFF, *RESUME_LATEST):
-        raise ConfigError(f"trainer.resume={config.trainer.resume!r}: each run of this experiment resumes "
-                          "from its own latest checkpoint; use trainer.resume=true")
+        raise ConfigError(f"trainer.resume={config.trainer.resume!r}: each run of this experiment "
+                          "resumes from its own latest checkpoint; use trainer.resume=true")
 
 
 def training_engine(config: TrainConfig, policy: ClonePolicy, seed: int):
     """An engine that samples as training does: the rollout budget, temperature, top-p, top-k."""
     rollout = config.rollout
-    return policy.engine(rollout.budget, SamplingParams(rollout.temperature, rollout.top_p, rollout.top_k),
+    return policy.engine(rollout.budget,
+                         SamplingParams(rollout.temperature, rollout.top_p, rollout.top_k),
                          seed=seed)
 
 
-def warm_start_check(config: TrainConfig, settings: EvaluationConfig, folder: Path) -> dict[str, dict]:
+def warm_start_check(config: TrainConfig, settings: EvaluationConfig,
+                     folder: Path) -> dict[str, dict]:
     """How the warm start saved in ``folder`` delegates before RL (`delegation_stats`: spawn
     calls that parse, roots that delegate, clones that answer as the teacher would), on each
     held-out split sampled as training samples (clone arm's budget and temperature,
@@ -312,10 +330,12 @@ def evaluation_splits(config: TrainConfig, settings: EvaluationConfig) -> dict[s
     ``task.ood_params`` when given); neither the warm start nor RL ever sees them."""
     names = {"eval": "in-distribution", "ood": "out-of-distribution"}
     n = settings.tasks_per_split
-    return {names[split]: load_split(config.task, split)[:n] for split in held_out_splits(config.task)}
+    return {names[split]: load_split(config.task, split)[:n]
+            for split in held_out_splits(config.task)}
 
 
-def held_out(config: TrainConfig, policy: ClonePolicy, tasks: list, settings: EvaluationConfig) -> HeldOut:
+def held_out(config: TrainConfig, policy: ClonePolicy, tasks: list,
+             settings: EvaluationConfig) -> HeldOut:
     """The policy's reward on held-out tasks as training samples it: same temperature, same
     budget, ``reward_samples`` trees per task (what RL optimises, measured on new tasks)."""
     engine = training_engine(config, policy, seed=config.trainer.seed + 1)
@@ -329,7 +349,8 @@ def held_out(config: TrainConfig, policy: ClonePolicy, tasks: list, settings: Ev
     return HeldOut(reward, accuracy)
 
 
-def evaluate_arms(config: TrainConfig, settings: EvaluationConfig, sft: ClonePolicy, clones: ClonePolicy,
+def evaluate_arms(config: TrainConfig, settings: EvaluationConfig, sft: ClonePolicy,
+                  clones: ClonePolicy,
                   mono: ClonePolicy, out: Path):
     """Every method at every budget on the held-out in-distribution and OOD tasks."""
     splits = evaluation_splits(config, settings)
@@ -355,7 +376,8 @@ def evaluate_arms(config: TrainConfig, settings: EvaluationConfig, sft: ClonePol
 def main() -> None:
     """The Hydra app: ``experiment=`` defaults to cpu_repro."""
     register_schemas()
-    hydra_app("train", TrainConfig, run, program="python -m selfcest.experiments.cpu_repro", defaults=[f"experiment={DEFAULT_EXPERIMENT}"])
+    hydra_app("train", TrainConfig, run, program="python -m selfcest.experiments.cpu_repro",
+              defaults=[f"experiment={DEFAULT_EXPERIMENT}"])
 
 
 if __name__ == "__main__":

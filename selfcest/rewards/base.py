@@ -115,7 +115,8 @@ def load_reward(spec: str, kwargs: Mapping[str, Any] | None = None) -> RewardFn:
     if not inspect.isclass(target) and _accepts(target, 2):
         if kwargs:
             raise ValueError(f"reward spec {spec!r}: a (tree, task) reward takes no arguments; "
-                             f"got reward_params {sorted(kwargs)} (a keyword-only factory can take them)")
+                             f"got reward_params {sorted(kwargs)} (a keyword-only factory can take "
+                             "them)")
         return target
     if not _accepts(target, 0, dict(kwargs or {})):
         raise ValueError(

@@ -19,9 +19,11 @@ TINY = ["warm_start.sft.steps=4", "warm_start.sft.sequences_per_step=4", "traine
 def tiny_cpu_repro(tmp_path_factory):
     """``config(output_dir, *overrides)``: the tiny cpu_repro config, its ``warm_start.policy``
     one warm start saved once for the session."""
-    warm_start = run_warm_start(compose("cpu_repro", [*TINY, f"trainer.output_dir={tmp_path_factory.mktemp('warm')}"]))
+    warm_start = run_warm_start(
+        compose("cpu_repro", [*TINY, f"trainer.output_dir={tmp_path_factory.mktemp('warm')}"]))
 
     def config(output_dir, *overrides):
-        return compose("cpu_repro", [*TINY, f"warm_start.policy={warm_start}", f"trainer.output_dir={output_dir}",
+        return compose("cpu_repro", [*TINY, f"warm_start.policy={warm_start}",
+                                     f"trainer.output_dir={output_dir}",
                                      *overrides])
     return config

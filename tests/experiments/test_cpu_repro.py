@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from selfcest.experiments import cpu_repro
 from selfcest.configure import ConfigError
+from selfcest.experiments import cpu_repro
 from selfcest.experiments.cpu_repro import (
     check_resume,
     compose,
@@ -48,7 +48,8 @@ def test_quick_reproduction_learns_and_reports(tmp_path):
                  "eval/pareto_critical_path.png", "training_curves.png", "eval/trace.html",
                  "eval/results.csv"):
         assert (tmp_path / name).stat().st_size > 0, name
-    assert set(outcome["timings"]) >= {"warm start (SFT)", "GRPO, clones", "GRPO, monolithic", "total"}
+    assert set(outcome["timings"]) >= {"warm start (SFT)", "GRPO, clones", "GRPO, monolithic",
+                                       "total"}
 
 
 @pytest.mark.parametrize("strategy", ["sibling", "counterfactual"])
@@ -72,32 +73,39 @@ def test_a_finished_arm_resumed_trains_nothing_and_keeps_its_history(tiny_cpu_re
     messages = []
     resumed = tiny_cpu_repro(tmp_path, "trainer.resume=true", "eval.tasks_per_split=8")
     _, again = train_arm(resumed, start, tmp_path / "arm", log=messages.append)
-    assert messages == [f"resuming {tmp_path / 'arm'} from step_000002"]  # eval.* changes nothing trained
+    # eval.* changes nothing trained
+    assert messages == [f"resuming {tmp_path / 'arm'} from step_000002"]
     assert {path: path.stat().st_mtime_ns for path in written} == written  # no step, no save
     assert [row["reward/mean"] for row in again] == [row["reward/mean"] for row in history]
 
 
 def test_a_stopped_arm_trains_the_steps_it_had_left(tiny_cpu_repro, tmp_path):
-    straight = train_arm(tiny_cpu_repro(tmp_path / "straight"), tiny_cpu_repro(tmp_path).warm_start.policy,
+    straight = train_arm(tiny_cpu_repro(tmp_path / "straight"),
+                         tiny_cpu_repro(tmp_path).warm_start.policy,
                          tmp_path / "straight", log=lambda message: None)[1]
     one_step = tiny_cpu_repro(tmp_path, "trainer.steps=1")
     train_arm(one_step, one_step.warm_start.policy, tmp_path / "arm", log=lambda message: None)
 
     messages = []
-    resumed = tiny_cpu_repro(tmp_path, "trainer.resume=true", "trainer.resume_changes=[trainer.steps]")
-    _, history = train_arm(resumed, resumed.warm_start.policy, tmp_path / "arm", log=messages.append)
-    assert messages == [f"resuming {tmp_path / 'arm'} from step_000001; its config differed in trainer.steps"]
+    resumed = tiny_cpu_repro(tmp_path, "trainer.resume=true",
+                             "trainer.resume_changes=[trainer.steps]")
+    _, history = train_arm(resumed, resumed.warm_start.policy, tmp_path / "arm",
+                           log=messages.append)
+    assert messages == [f"resuming {tmp_path / 'arm'} from step_000001; its config differed in "
+                        "trainer.steps"]
     assert [row["step"] for row in history] == [1, 2]
     # The run resumed after step 1 samples and scores what the straight run did at step 2.
     assert json.dumps(history[1]["reward/mean"]) == json.dumps(straight[1]["reward/mean"])
 
 
 def test_a_checkpoint_path_cannot_resume_every_run_of_an_experiment(tiny_cpu_repro, tmp_path):
-    with pytest.raises(ConfigError, match="trainer.resume='runs/x/checkpoints/step_000002'.*use trainer.resume=true"):
+    with pytest.raises(ConfigError, match="trainer.resume='runs/x/checkpoints/step_000002'.*use "
+                                          "trainer.resume=true"):
         check_resume(tiny_cpu_repro(tmp_path, "trainer.resume=runs/x/checkpoints/step_000002"))
 
 
-def test_a_finished_warm_start_is_reused_when_resuming_and_trained_again_otherwise(tiny_cpu_repro, tmp_path):
+def test_a_finished_warm_start_is_reused_when_resuming_and_trained_again_otherwise(
+    tiny_cpu_repro, tmp_path):
     fresh = tiny_cpu_repro(tmp_path, "warm_start.policy=null")
     warm_start_folder(fresh, tmp_path / "sft", log=lambda message: None)
     weights = tmp_path / "sft/model.safetensors"
@@ -113,8 +121,9 @@ def test_a_finished_warm_start_is_reused_when_resuming_and_trained_again_otherwi
     assert weights.stat().st_mtime_ns != trained_at
 
 
-def test_an_experiment_evaluates_a_saved_policy_on_this_processs_gpu_with_the_run_backend(tiny_policy, tmp_path,
-                                                                                           monkeypatch):
+def test_an_experiment_evaluates_a_saved_policy_on_this_processs_gpu_with_the_run_backend(
+    tiny_policy, tmp_path,
+    monkeypatch):
     """Every experiment loads its saved policies (`load_policy`) where it decodes, this
     process's GPU where there is one ("meta" pretends one here), decoding with the run's
     rollout.backend and its vLLM settings."""

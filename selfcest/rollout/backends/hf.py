@@ -46,7 +46,6 @@ from selfcest.rollout.backends.base import Completion, SamplingParams, check_req
 from selfcest.rollout.backends.kv_cache import reserved_cache
 from selfcest.rollout.backends.prefix_cache import PrefixCache
 
-
 # Positions a decode's KV buffers hold past its prompts at first (kv_cache.py): a decode that
 # goes further doubles them (copies amortised over the steps), and a large max_tokens does not
 # reserve memory that rows stopping early never use.
@@ -136,7 +135,8 @@ class HFBackend:
             while seen != len(self._pending):
                 seen = len(self._pending)
                 await asyncio.sleep(0)
-            batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
+            batch, self._pending = self._pending[
+                : self.max_batch_size], self._pending[self.max_batch_size :]
             if not self._pending:
                 self._wakeup.clear()
             live = [r for r in batch if not r.future.cancelled()]
@@ -200,7 +200,8 @@ class HFBackend:
                 if token in requests[index].stop_token_ids:
                     finish[index] = "stop"
                     if token in requests[index].resume_token_ids:
-                        self._keep_prefix(cache, row, requests[index].prompt_ids + tokens[index][:-1])
+                        self._keep_prefix(cache, row, requests[index].prompt_ids
+                                          + tokens[index][:-1])
                 elif len(tokens[index]) < requests[index].max_tokens:
                     keep_rows.append(row)
                     next_tokens.append(token)
@@ -219,7 +220,8 @@ class HFBackend:
             for i in range(len(requests))
         ]
 
-    def _first_pass(self, input_ids, attention, positions, cache: DynamicCache, cache_arg: str) -> torch.Tensor:
+    def _first_pass(self, input_ids, attention, positions, cache: DynamicCache,
+                    cache_arg: str) -> torch.Tensor:
         """The last position's logits (float32) of the batch's first pass, which fills ``cache``.
 
         Rows that are one prompt (a GRPO group's copies, nothing taken from the prefix cache)
@@ -232,7 +234,8 @@ class HFBackend:
         self.prefill_tokens += input_ids[fed].numel()
         self.prefill_real_tokens += real
         self.repeated_prompt_tokens += int(attention[:, -input_ids.shape[1]:].sum()) - real
-        out = self.model(input_ids=input_ids[fed], attention_mask=attention[fed], position_ids=positions[fed],
+        out = self.model(input_ids=input_ids[fed], attention_mask=attention[fed],
+                         position_ids=positions[fed],
                          use_cache=True, logits_to_keep=1, **{cache_arg: cache})
         logits = out.logits[:, -1, :].float()
         if repeated is None:
@@ -268,7 +271,8 @@ class HFBackend:
         key_values = None
         if cached:
             key_values = _batch_key_values(
-                [(p.key_values, max(0, n - fed)) if p else (None, 0) for n, p in zip(lengths, prefixes)],
+                [(p.key_values, max(0, n - fed)) if p else (None, 0) for n,
+                 p in zip(lengths, prefixes)],
                 cached, device)
         self.cached_prompt_tokens += sum(max(0, n - fed) for n in lengths)
         if self.plain_cache:
@@ -285,7 +289,8 @@ class HFBackend:
             return
         length = len(token_ids)
         self.prefix_cache.put(token_ids, [
-            (layer.keys[row:row + 1, :, -length:].clone(), layer.values[row:row + 1, :, -length:].clone())
+            (layer.keys[row:row + 1, :, -length:].clone(),
+             layer.values[row:row + 1, :, -length:].clone())
             for layer in cache.layers])
 
     def sync_weights(self, model=None) -> None:
@@ -309,7 +314,8 @@ def _batch_key_values(rows, width: int, device) -> list[tuple[torch.Tensor, torc
     layers = []
     for layer, (keys, values) in enumerate(sample):
         batch_keys = keys.new_zeros((len(rows), keys.shape[1], width, keys.shape[3]), device=device)
-        batch_values = values.new_zeros((len(rows), values.shape[1], width, values.shape[3]), device=device)
+        batch_values = values.new_zeros((len(rows), values.shape[1], width, values.shape[3]),
+                                        device=device)
         for row, (key_values, used) in enumerate(rows):
             if used:
                 batch_keys[row, :, width - used:] = key_values[layer][0][0, :, :used]
@@ -318,10 +324,12 @@ def _batch_key_values(rows, width: int, device) -> list[tuple[torch.Tensor, torc
     return layers
 
 
-def repeated_rows(input_ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def repeated_rows(input_ids: torch.Tensor,
+                  attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Where rows repeat (same tokens, same mask): the first row of each distinct one, and
     for every row the position of its distinct row in that list. None when no row repeats."""
-    distinct, row_of = torch.unique(torch.cat([input_ids, attention], dim=1), dim=0, return_inverse=True)
+    distinct, row_of = torch.unique(torch.cat([input_ids, attention], dim=1), dim=0,
+                                    return_inverse=True)
     if len(distinct) == len(input_ids):
         return None
     rows = torch.arange(len(row_of), device=row_of.device)
@@ -383,12 +391,14 @@ def sample_rows(
             probs = probs.index_put(banned_at, torch.zeros((), device=logits.device))
         tokens = _draw(probs, samplings, generators)
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), tokens)
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1),
+                                 tokens)
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     return tokens.tolist(), chosen.tolist()
 
 
-def _draw(probs: torch.Tensor, samplings: Sequence[SamplingParams], generators: Sequence[torch.Generator]):
+def _draw(probs: torch.Tensor, samplings: Sequence[SamplingParams],
+          generators: Sequence[torch.Generator]):
     """Inverse-CDF draws over each row's probabilities sorted in descending order, truncated
     by the row's top-k and top-p; one uniform of the row's generator each."""
     vocab = probs.shape[-1]
@@ -399,9 +409,11 @@ def _draw(probs: torch.Tensor, samplings: Sequence[SamplingParams], generators: 
         ranks = torch.arange(vocab, device=probs.device)[None, :]
         # Keep the top_k most likely tokens and the smallest prefix whose mass reaches top_p
         # (the most likely token always stays).
-        drop = (ranks >= top_k[:, None]) | (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None])
+        drop = ((ranks >= top_k[:, None])
+                | (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]))
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     cdf = sorted_probs.cumsum(-1)
     uniform = torch.stack([torch.rand((), generator=g) for g in generators]).to(probs.device)
-    ranks = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
+    ranks = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None],
+                               right=True).clamp(max=vocab - 1)
     return order.gather(1, ranks).squeeze(1)
