@@ -27,8 +27,7 @@ from selfcest.rewards.base import RewardFn, score_trees
 from selfcest.task import Task
 from selfcest.tree import CloneTree
 
-# tree.info keys the strategies read.
-MALFORMED_KEY = "malformed_nodes"  # list of clone ids that broke the format rule
+# tree.info key the counterfactual strategy reads (malformed clones: CloneTree.MALFORMED_KEY).
 COUNTERFACTUAL_KEY = "counterfactual"  # clone id -> mean reward of the null-return re-runs
 
 
@@ -280,12 +279,12 @@ def node_reward(tree: CloneTree, node_id: str, fallback: float) -> tuple[float, 
 
 def malformed_clones(tree: CloneTree) -> set[str]:
     """The clones ``tree.info["malformed_nodes"]`` lists (which must be clones of the tree)."""
-    listed: Any = tree.info.get(MALFORMED_KEY, [])
+    listed: Any = tree.info.get(CloneTree.MALFORMED_KEY, [])
     malformed = set(listed)
     clone_ids = {n.id for n in tree.clones()}
     if not malformed <= clone_ids:
         raise ValueError(
-            f"tree.info[{MALFORMED_KEY!r}] of tree {tree.task_id}#{tree.sample_index} lists "
-            f"{sorted(malformed - clone_ids)}, which are not clones of that tree"
+            f"tree.info[{CloneTree.MALFORMED_KEY!r}] of tree {tree.task_id}#{tree.sample_index} "
+            f"lists {sorted(malformed - clone_ids)}, which are not clones of that tree"
         )
     return malformed

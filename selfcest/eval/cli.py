@@ -25,7 +25,7 @@ def run_eval(config: EvalConfig) -> None:
             tasks = load_tasks(source.name, **source.params)
         except (TypeError, ValueError) as error:
             raise ConfigError(f"splits.{name}: {error}") from None
-        splits[name] = tasks[: config.tasks_per_split] if config.tasks_per_split else tasks
+        splits[name] = config.first(tasks)
     methods = [{key: value for key, value in asdict(m).items() if value is not None}
                for m in config.methods]
     results = run_evaluation(

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from selfcest.budget import Budget
-from selfcest.configure import is_number, require, setting
+from selfcest.configure import require, setting
 from selfcest.eval.evaluate import MethodKind
 from selfcest.rollout.backends.registry import BackendSettings
-from selfcest.train.config import TaskSourceConfig
+from selfcest.train.config import BudgetSweepConfig, TaskSourceConfig
 
 
 @dataclass
@@ -25,18 +25,15 @@ class MethodConfig:
                                 help="a policy folder of its own (null: the evaluated policy)")
 
 
-@dataclass
-class EvalConfig:
-    """A saved policy across a budget sweep, against baselines."""
+# kw_only: the required policy follows the sweep's fields, which have defaults.
+@dataclass(kw_only=True)
+class EvalConfig(BudgetSweepConfig):
+    """A saved policy across a budget sweep (`BudgetSweepConfig`), against baselines."""
 
     policy: str = setting(help="folder of a saved policy (ClonePolicy.save_pretrained)")
     splits: dict[str, TaskSourceConfig] = setting(help=(
         "split name -> task source, e.g. {id: {name: keyed_sum, params: {split: test}}} or a "
         "jsonl file"), factory=dict)
-    tasks_per_split: int = setting(0, help="tasks used per split (the first N; 0 = all)")
-    budgets: list[int] = setting(help="total generated tokens per task (Budget.tree_generation) at "
-                                      "each point of the sweep",
-                                 factory=lambda: [128, 256, 512])
     methods: list[MethodConfig] = setting(help="the methods compared", factory=lambda: [
         MethodConfig("clones", MethodKind.clones),
         MethodConfig("monolithic", MethodKind.monolithic)])
@@ -54,16 +51,11 @@ class EvalConfig:
         "training config's keys of the same names)"), factory=BackendSettings)
     device: str = setting("auto", help="where the policies run: auto (this process's GPU if there "
                                        "is one, else the CPU), cpu, cuda:1, ...")
-    bootstrap_samples: int = setting(1000, help="bootstrap resamples of every confidence interval")
     out_dir: str = setting("runs/eval",
                            help="where results.json/.csv/.md, the Pareto plots and the trees go")
 
     def check(self) -> None:
+        super().check()
         require(bool(self.splits), "splits",
                 "is empty: give at least one, e.g. splits.id.name=keyed_sum")
-        require(self.tasks_per_split >= 0, "tasks_per_split",
-                f"must be >= 0; got {self.tasks_per_split}")
-        require(bool(self.budgets) and all(is_number(b) and b >= 1 for b in self.budgets),
-                "budgets",
-                f"must be a non-empty list of token counts >= 1; got {self.budgets}")
         require(bool(self.methods), "methods", "is empty: give at least one method")

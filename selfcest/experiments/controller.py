@@ -78,13 +78,12 @@ TREES_FILE = "decision_trees.jsonl"
 def held_out_by_size(config: TrainConfig) -> list[Task]:
     """The first ``eval.tasks_per_split`` held-out tasks of each size (test split) and of the
     OOD split; neither the warm start nor RL sees them."""
-    n = config.eval.tasks_per_split
     tasks: list[Task] = []
     for split in held_out_splits(config.task):
         by_size: dict[int, list[Task]] = {}
         for task in load_split(config.task, split):
             by_size.setdefault(len(task.context), []).append(task)
-        tasks += [task for size in sorted(by_size) for task in by_size[size][:n]]
+        tasks += [task for size in sorted(by_size) for task in config.eval.first(by_size[size])]
     return tasks
 
 

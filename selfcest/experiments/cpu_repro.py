@@ -329,8 +329,7 @@ def evaluation_splits(config: TrainConfig, settings: EvaluationConfig) -> dict[s
     """The first ``tasks_per_split`` tasks of the held-out splits (``task.eval_params``, and
     ``task.ood_params`` when given); neither the warm start nor RL ever sees them."""
     names = {"eval": "in-distribution", "ood": "out-of-distribution"}
-    n = settings.tasks_per_split
-    return {names[split]: load_split(config.task, split)[:n]
+    return {names[split]: settings.first(load_split(config.task, split))
             for split in held_out_splits(config.task)}
 
 

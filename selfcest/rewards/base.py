@@ -206,7 +206,7 @@ def score_trees(
         tree.correct = bool(result.correct)
         tree.node_rewards = None if result.node_rewards is None else dict(result.node_rewards)
         tree.info.update(result.info)
-        tree.info["malformed_nodes"] = list(result.malformed)
+        tree.info[CloneTree.MALFORMED_KEY] = list(result.malformed)
         results.append(result)
     return results
 

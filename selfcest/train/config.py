@@ -120,7 +120,7 @@ class RolloutConfig(BackendSettings):
         "one engine per node rolls out for every process of the node (hf: on its first process; "
         "vllm: tensor parallel over the node's processes, vllm.tensor_parallel_size = processes "
         "per node, driven by the first); false: one engine per process "
-        "(selfcest.rollout.node_rollout)"))
+        "(selfcest.rollout.machine_rollout)"))
 
     def check(self) -> None:
         super().check()
@@ -146,8 +146,6 @@ class AlgoConfig:
                                    factory=CreditConfig)
     loss: LossConfig = setting(help="PPO-clip loss, KL, entropy and aggregation",
                                factory=LossConfig)
-    counterfactual_samples: int = setting(2, help="credit.strategy=counterfactual: re-runs per "
-                                                  "clone with its return replaced by null")
     stale_samples: StaleSamples = setting(StaleSamples.refuse, help=(
         "samples drawn under an older weight version: refuse (drop them, counted) or correct "
         "(keep them with the truncated importance weight min(pi_old / pi_behaviour, "
@@ -159,9 +157,6 @@ class AlgoConfig:
         "loss.max_importance_ratio) (as verl and TRL do for vLLM rollouts); null: on unless the "
         "backend is hf in float32, whose logprobs are the trainer's own. Where on, the "
         "rollout-vs-trainer gap is logged every step (rollout/logprob_diff_mean, _max)"))
-
-    def check(self) -> None:
-        _at_least(self, 1, "counterfactual_samples")
 
 
 @dataclass
@@ -390,16 +385,34 @@ class WarmStartConfig:
 
 
 @dataclass
-class EvaluationConfig:
+class BudgetSweepConfig:
+    """What every evaluation across a budget sweep sets, declared once: after training
+    (`EvaluationConfig`) and by selfcest-eval (`selfcest.eval.config.EvalConfig`)."""
+
+    budgets: list[int] = setting(help=(
+        "total generated tokens per task (Budget.tree_generation) at each point of the sweep"),
+        factory=lambda: [128, 256, 512, 1024])
+    tasks_per_split: int = setting(100, help=(
+        "held-out tasks used per split (the first N; 0 = all)"))
+    bootstrap_samples: int = setting(1000, help="bootstrap resamples of every confidence interval")
+
+    def check(self) -> None:
+        _at_least(self, 0, "tasks_per_split")
+        _at_least(self, 1, "bootstrap_samples")
+        require(bool(self.budgets) and all(is_number(b) and b >= 1 for b in self.budgets),
+                "budgets", f"must be a non-empty list of token counts >= 1; got {self.budgets}")
+
+    def first(self, tasks: list[Task]) -> list[Task]:
+        """The tasks of a split that are evaluated: the first ``tasks_per_split`` (0: all)."""
+        return tasks[:self.tasks_per_split] if self.tasks_per_split else tasks
+
+
+@dataclass
+class EvaluationConfig(BudgetSweepConfig):
     """The evaluation an experiment runs after training (`selfcest.experiments`; a plain
     ``selfcest-train`` run does not read it)."""
 
-    budgets: list[int] = setting(help="total generated tokens per task at each point of the sweep",
-                                 factory=lambda: [128, 256, 512, 1024])
-    tasks_per_split: int = setting(100, help="held-out tasks per split (in distribution, out of "
-                                             "distribution)")
     sc_samples: int = setting(4, help="k of self-consistency")
-    bootstrap_samples: int = setting(1000, help="bootstrap resamples of every confidence interval")
     reward_samples: int = setting(4, help="trees per held-out task when measuring a policy's "
                                           "reward at its training temperature")
     seeds: int = setting(1, help=(
@@ -407,11 +420,8 @@ class EvaluationConfig:
         "trainer.seed, trainer.seed + 1, ..."))
 
     def check(self) -> None:
-        _at_least(self, 1, "tasks_per_split", "sc_samples", "bootstrap_samples", "reward_samples",
-                  "seeds")
-        require(bool(self.budgets) and all(is_number(b) and b >= 1 for b in self.budgets),
-                "budgets",
-                f"must be a non-empty list of token counts >= 1; got {self.budgets}")
+        super().check()
+        _at_least(self, 1, "sc_samples", "reward_samples", "seeds")
 
 
 @dataclass

@@ -13,7 +13,7 @@ One training step::
 
 A group (all trees of one prompt) always lands on one process, so its advantages are
 computed where all its trees are; metrics are averaged across processes. Trees are rolled
-out by each process's own engine, or by its node's (`node_rollout.py`); training is data
+out by each process's own engine, or by its node's (`machine_rollout.py`); training is data
 parallel or FSDP2-sharded (`sharding.py`).
 
 Simplifications, stated: the rollout and the update alternate (no asynchronous rollout);
@@ -55,7 +55,7 @@ from selfcest.rewards.guard import GuardedReward
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.registry import build_backend, spec
 from selfcest.rollout.engine import RolloutEngine
-from selfcest.rollout.node_rollout import FollowerBackend, Placement, rollout_on_node
+from selfcest.rollout.machine_rollout import FollowerBackend, Placement, rollout_on_machine
 from selfcest.task import Task
 from selfcest.train.batching import (
     TrainingSample,
@@ -171,7 +171,7 @@ class GRPOTrainer:
         # FSDP frees the gathered weights after each forward, so the graph of a first pass over
         # shared prompts cannot be backpropagated after a second pass: rows run whole there.
         self.share_prompts = trainer.share_prompt_forward and not self.sharded
-        # Where rollouts happen: in every process, or on each node's first (node_rollout.py).
+        # Where rollouts happen: in every process, or on each node's first (machine_rollout.py).
         self.placement = None
         if config.rollout.engine_per_node:
             self.placement = Placement.of(acc.process_index, acc.num_processes)
@@ -280,7 +280,7 @@ class GRPOTrainer:
             if self.placement is None:
                 return engine.rollout(tasks[acc.process_index :: acc.num_processes],
                                       samples_per_task)
-            return rollout_on_node(self.placement, tasks, samples_per_task,
+            return rollout_on_machine(self.placement, tasks, samples_per_task,
                                    lambda mine: engine.rollout(mine, samples_per_task),
                                    self.backend)
 

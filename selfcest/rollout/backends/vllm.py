@@ -63,7 +63,7 @@ from selfcest.rollout.backends.weights import (
     stream,
     weights_stamp,
 )
-from selfcest.rollout.node_rollout import Placement
+from selfcest.rollout.machine_rollout import Placement
 
 INSTALL_HINT = (
     "the vLLM backend needs vLLM: pip install 'selfcest[vllm]' (GPU), or on a CPU run "

@@ -1,4 +1,5 @@
-"""One rollout engine per node, serving every training process on it.
+"""One rollout engine per machine, serving every training process on it ("node" below and in
+``rollout.engine_per_node`` is a machine of the cluster, never a tree's node).
 
 With ``rollout.engine_per_node``, the first process of each node (its leader) expands the
 trees of all the node's prompts; every tree is then sent to the process that owns its
@@ -73,7 +74,7 @@ class Placement:
         return prompt_index % self.world_size
 
 
-def rollout_on_node(
+def rollout_on_machine(
     placement: Placement,
     tasks: Sequence[Task],
     samples_per_task: int,
