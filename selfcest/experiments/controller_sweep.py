@@ -2,11 +2,9 @@
 
 ::
 
-    python -m selfcest.experiments.controller_sweep                       #
-    configs/controller_sweep.yaml
+    python -m selfcest.experiments.controller_sweep         # configs/controller_sweep.yaml
     python -m selfcest.experiments.controller_sweep seeds=[0] 'overrides=[trainer.steps=8]'
-    python -m selfcest.experiments.controller_sweep --config-name controller_main   # make run's
-    section
+    python -m selfcest.experiments.controller_sweep --config-name controller_main  # for make run
 
 Each run is `selfcest.experiments.controller.run` with ``experiment=<setting>
 trainer.seed=<seed> algo.credit.strategy=<credit>`` and the sweep's ``overrides``, written to

@@ -4,12 +4,10 @@ The paper claims that a model trained end to end with clones (1) improves the
 accuracy-cost Pareto frontier over monolithic baselines at matched inference budget and
 (2) generalises out of distribution. This script tests both at laptop scale::
 
-    python -m selfcest.experiments.cpu_repro                              # make run; ~10 min on 2
-    cores
+    python -m selfcest.experiments.cpu_repro                            # make run; ~10 min, 2 cores
     python -m selfcest.experiments.cpu_repro experiment=cpu_repro_quick   # the test-sized variant
     python -m selfcest.experiments.cpu_repro trainer.steps=40 rollout.budget.node_context=320
-    python -m selfcest.experiments.cpu_repro warm_start.policy=runs/cpu_repro/sft   # reuse a warm
-    start
+    python -m selfcest.experiments.cpu_repro warm_start.policy=runs/cpu_repro/sft  # reuse a start
     python -m selfcest.experiments.cpu_repro trainer.resume=true   # resume a stopped run
 
 A Hydra app like ``selfcest-train`` (``--help`` lists every key): the experiment is

@@ -1,8 +1,9 @@
 """Run by torchrun in test_distributed.py: CPU processes train two steps, data parallel
 (``ddp``) or sharded (``fsdp``); each writes what the test compares.
 
-    distributed_worker.py OUT REWARD
-    ddp|node|vllm|node_vllm|fsdp|fsdp_vllm|fsdp_lora|fsdp_lora_tokens
+    distributed_worker.py OUT REWARD MODE
+
+MODE: ddp|node|vllm|node_vllm|fsdp|fsdp_vllm|fsdp_lora|fsdp_lora_tokens.
 
 ``node`` is data parallel with one engine for the node, on its first process
 (rollout.engine_per_node); ``vllm`` data parallel with a vLLM engine in every process (vLLM's
