@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # noqa: E402
 from vs_trl import GROUP, MAX_NEW_TOKENS, MODELS, PROMPTS_PER_STEP, VOCAB, prompts, random_qwen2
 
-from selfcest.policy import build_tokenizer, forward_logprobs  # noqa: E402
+from selfcest.modeling import forward_logprobs  # noqa: E402
+from selfcest.policy import build_tokenizer  # noqa: E402
 from selfcest.rollout.backends.base import SamplingParams  # noqa: E402
 from selfcest.rollout.backends.hf import HFBackend  # noqa: E402
 
@@ -89,7 +90,7 @@ def decode_work(model, prompt_ids: list[int]):
 def update_work(model, prompt_ids: list[int], vocab_size: int):
     """One forward and backward of a token-mean policy loss over ROWS sequences of the
     prompt and MAX_NEW_TOKENS random tokens, through the trainer's own forward
-    (`selfcest.policy.forward_logprobs`, logits from the first sampled position on)."""
+    (`selfcest.modeling.forward_logprobs`, logits from the first sampled position on)."""
     generator = torch.Generator().manual_seed(0)
     completion = torch.randint(0, vocab_size, (ROWS, MAX_NEW_TOKENS), generator=generator)
     ids = torch.cat([torch.tensor(prompt_ids).expand(ROWS, -1), completion], dim=1)

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from selfcest.policy import ClonePolicy, forward_logprobs
+from selfcest.modeling import forward_logprobs
+from selfcest.policy import ClonePolicy
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONTEXT = {"L1": "1 2", "L2": "3 4"}

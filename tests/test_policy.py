@@ -9,15 +9,13 @@ import pytest
 import torch
 
 from selfcest.budget import Budget
+from selfcest.modeling import forward_logprobs, set_activation_checkpointing, takes_logits_to_keep
 from selfcest.policy import (
     ClonePolicy,
     LoraSettings,
     add_protocol_tokens,
     apply_lora,
     build_tokenizer,
-    forward_logprobs,
-    set_activation_checkpointing,
-    takes_logits_to_keep,
 )
 from selfcest.protocol import TokenProtocol, ToolCallProtocol
 from selfcest.rollout.backends.base import SamplingParams

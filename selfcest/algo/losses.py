@@ -2,9 +2,9 @@
 
 Conventions. Every per-token tensor is ``[batch, T]`` and *input-aligned*: position t is
 about token ``input_ids[:, t]``, whose logprob comes from the logits at position t - 1
-(`token_logprobs` does that shift, in one place). ``mask`` is 1 exactly on sampled tokens,
-the only ones trained on; position 0 is always a prompt token, so nothing is lost by it
-having no logprob.
+(`selfcest.modeling.token_logprobs` does that shift, in one place). ``mask`` is 1 exactly on
+sampled tokens, the only ones trained on; position 0 is always a prompt token, so nothing is
+lost by it having no logprob.
 
 The loss of one token is::
 
@@ -234,19 +234,6 @@ def kl_penalty(
         raise ValueError(f"unknown KL estimator {estimator!r}; use one of "
                          f"{[e.value for e in KLEstimator]}")
     return value.clamp(-clamp, clamp)
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Input-aligned logprobs ``[batch, T]`` of ``input_ids`` under causal-LM ``logits``.
-
-    Position t holds ``log softmax(logits[:, t-1])[input_ids[:, t]]``; position 0 holds 0.
-    Computed in float32 as ``logit - logsumexp`` so no second ``[batch, T, vocab]`` tensor of
-    log-probabilities is materialised.
-    """
-    shifted = logits[:, :-1].float()
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    picked = shifted.gather(-1, targets).squeeze(-1) - torch.logsumexp(shifted, dim=-1)
-    return torch.nn.functional.pad(picked, (1, 0))
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ not by a row count, after sorting by length so rows of one micro-batch have simi
 and padding stays small. With **packing** (`trainer.packing`, off by default), several samples share
 a
 row: each keeps its own positions (0, 1, ...) and transformers' attention masks keep them
-apart (`selfcest.policy.supports_packing` checks that a model does), so only row ends are
+apart (`selfcest.modeling.supports_packing` checks that a model does), so only row ends are
 padded. A training step runs a **fixed** number of optimizer steps
 (`split_for_optimizer_steps`), however many clones the trees hold.
 
@@ -139,7 +139,7 @@ def make_micro_batches(
 
     ``prompts`` (one per sample: its tokens before its first sampled one), where the
     update runs a micro-batch's shared prompt columns once per distinct prompt
-    (`selfcest.policy.shared_prefix_logits`, ``trainer.share_prompt_forward``): a run's
+    (`selfcest.modeling.shared_prefix_logits`, ``trainer.share_prompt_forward``): a run's
     compute is then ``rows x longest row - (rows - distinct prompts) x shared``, ``shared``
     being the columns before the run's first trained position (its shortest prompt less
     one). Without it, a GRPO step whose few short completions make a micro-batch of their

@@ -277,7 +277,7 @@ class TrainerConfig:
     share_prompt_forward: bool = setting(True, help=(
         "in each micro-batch, run the columns before the first sampled token once per distinct "
         "prefix (a GRPO group's copies of one prompt) and hand every row its prefix's keys and "
-        "values (selfcest.policy.shared_prefix_logits): same logprobs and gradients up to float "
+        "values (selfcest.modeling.shared_prefix_logits): same logprobs and gradients up to float "
         "rounding, fewer tokens through the model; micro-batches are cut counting each prompt "
         "once. Skipped where it cannot apply (packed rows, FSDP, gradient checkpointing, "
         "sliding-window or recurrent layers)"))

@@ -22,7 +22,8 @@ import torch
 
 from selfcest.algo.advantages import Advantages
 from selfcest.configure import require, setting
-from selfcest.policy import ClonePolicy, forward_logprobs
+from selfcest.modeling import forward_logprobs
+from selfcest.policy import ClonePolicy
 from selfcest.train.batching import (
     MicroBatch,
     TrainingSample,

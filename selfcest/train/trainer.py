@@ -43,13 +43,13 @@ from selfcest.algo.advantages import compute_advantages
 from selfcest.algo.credit import CREDIT
 from selfcest.algo.losses import combine_stats, per_token_loss, token_choice_entropy, token_entropy
 from selfcest.configure import ConfigError, RunError
-from selfcest.policy import (
-    ClonePolicy,
+from selfcest.modeling import (
     forward_logprobs,
     left_pad,
     set_activation_checkpointing,
     supports_packing,
 )
+from selfcest.policy import ClonePolicy
 from selfcest.rewards.base import RewardFn, progress_summary, score_trees
 from selfcest.rewards.guard import GuardedReward
 from selfcest.rollout.backends.base import SamplingParams

@@ -15,8 +15,8 @@ from selfcest.algo.losses import (
     per_token_loss,
     token_choice_entropy,
     token_entropy,
-    token_logprobs,
 )
+from selfcest.modeling import token_logprobs
 
 # Two sequences of three tokens; old logprobs 0, so the ratio r is exp(logprobs).
 RATIOS = [1.5, 0.5, 1.0]

@@ -23,7 +23,8 @@ from selfcest.algo.advantages import Advantages, compute_advantages
 from selfcest.algo.credit import counterfactual_reruns
 from selfcest.budget import Budget
 from selfcest.configure import ConfigError, RunError
-from selfcest.policy import ClonePolicy, LoraSettings, build_tokenizer, forward_logprobs
+from selfcest.modeling import forward_logprobs
+from selfcest.policy import ClonePolicy, LoraSettings, build_tokenizer
 from selfcest.protocol import SpawnRequest
 from selfcest.rewards.base import RewardResult, load_reward, progress_summary, score_trees
 from selfcest.rollout.backends.base import SamplingParams

@@ -32,16 +32,14 @@ batches full. vLLM is the engine for continuous batching.
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from selfcest.modeling import cache_argument, plain_attention_cache, repeated_rows
 from selfcest.rollout.backends.base import Completion, SamplingParams, check_request
 from selfcest.rollout.backends.kv_cache import reserved_cache
 from selfcest.rollout.backends.prefix_cache import PrefixCache
@@ -322,48 +320,6 @@ def _batch_key_values(rows, width: int, device) -> list[tuple[torch.Tensor, torc
                 batch_values[row, :, width - used:] = key_values[layer][1][0, :, :used]
         layers.append((batch_keys, batch_values))
     return layers
-
-
-def repeated_rows(input_ids: torch.Tensor,
-                  attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Where rows repeat (same tokens, same mask): the first row of each distinct one, and
-    for every row the position of its distinct row in that list. None when no row repeats."""
-    distinct, row_of = torch.unique(torch.cat([input_ids, attention], dim=1), dim=0,
-                                    return_inverse=True)
-    if len(distinct) == len(input_ids):
-        return None
-    rows = torch.arange(len(row_of), device=row_of.device)
-    first = torch.full((len(distinct),), len(row_of), device=row_of.device)
-    return first.scatter_reduce(0, row_of, rows, "amin"), row_of
-
-
-def plain_attention_cache(model) -> bool:
-    """Whether ``model``'s KV cache is a stack of plain full-attention layers, the only kind
-    a cached prefix can be spliced into (not sliding-window, linear or recurrent layers)."""
-    try:
-        layers = DynamicCache(config=model.config).layers
-    except Exception:  # a config transformers cannot read layer types from
-        return False
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-
-
-def cache_argument(model) -> str:
-    """Name of the KV-cache keyword: ``cache`` in newer transformers, ``past_key_values`` before."""
-    return "cache" if "cache" in forward_parameters(model) else "past_key_values"
-
-
-def forward_parameters(model) -> frozenset[str]:
-    """The keyword parameters of the transformers model's ``forward`` inside ``model`` (a DDP
-    or peft wrapper's too)."""
-    inner = getattr(model, "module", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    return _forward_parameters(type(inner))
-
-
-@functools.cache
-def _forward_parameters(model_class: type) -> frozenset[str]:
-    # Reading a signature costs about as much as a forward pass of a tiny model: once per class.
-    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 def sample_rows(

@@ -95,7 +95,7 @@ def reserved_cache(config, capacity: int, key_values=None) -> DynamicCache:
     """A `DynamicCache` for ``config``'s model whose layers are `ReservedLayer`s with room for
     ``capacity`` positions, holding ``key_values`` (per layer ``(keys, values)``) if given.
     Only for models whose cache is a stack of plain attention layers
-    (`selfcest.rollout.backends.hf.plain_attention_cache`)."""
+    (`selfcest.modeling.plain_attention_cache`)."""
     cache = DynamicCache(config=config)
     cache.layers = [ReservedLayer(capacity) for _ in cache.layers]
     for layer, (keys, values) in zip(cache.layers, key_values or ()):

@@ -48,8 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from selfcest.algo.losses import token_logprobs
 from selfcest.configure import Choice, require, setting
+from selfcest.modeling import token_logprobs
 from selfcest.rollout.backends.base import Completion, SamplingParams, check_request
 from selfcest.rollout.backends.vllm_thread import EngineThread, Lockstep, Request, empty_cache
 from selfcest.rollout.backends.weights import (

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from selfcest.budget import Budget
-from selfcest.policy import forward_logprobs
+from selfcest.modeling import cache_argument, forward_logprobs
 from selfcest.rollout.backends.base import SamplingParams
-from selfcest.rollout.backends.hf import HFBackend, cache_argument, sample_rows
+from selfcest.rollout.backends.hf import HFBackend, sample_rows
 from selfcest.rollout.engine import RolloutEngine
 
 

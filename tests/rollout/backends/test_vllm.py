@@ -31,7 +31,8 @@ from selfcest.eval.cli import run_eval
 from selfcest.eval.config import EvalConfig, MethodConfig
 from selfcest.eval.decisions import Mode
 from selfcest.experiments.controller import measure
-from selfcest.policy import ClonePolicy, apply_lora, forward_logprobs
+from selfcest.modeling import forward_logprobs
+from selfcest.policy import ClonePolicy, apply_lora
 from selfcest.protocol import SpawnRequest
 from selfcest.rewards.base import RewardResult
 from selfcest.rollout.backends import vllm as vllm_backend
