@@ -63,8 +63,8 @@ class CreditConfig:
     """How the global reward of each tree becomes an advantage for each of its nodes."""
 
     strategy: str = setting("broadcast", help=(
-        "credit strategy, one of selfcest.algo.credit.CREDIT: broadcast, ratio, sibling, "
-        "counterfactual"))
+        "credit strategy: broadcast, ratio, sibling, counterfactual, or any name registered "
+        "with selfcest.algo.credit.register_credit"))
     std_normalize: bool = setting(False, help=(
         "divide root advantages by the group's std + eps, and clone terms by their own spread "
         "(selfcest.algo.advantages, 'Scales and bounds'); off by default: with shaped rewards a "

@@ -74,6 +74,7 @@ from selfcest.train.checkpoint import (
     save_checkpoint,
 )
 from selfcest.train.config import TrainConfig
+from selfcest.train.counterfactual import counterfactual_reruns
 from selfcest.train.distributed import (
     COMPUTE_DTYPES,
     gather,
@@ -358,9 +359,9 @@ class GRPOTrainer:
         score_trees(trees, by_id, self.reward_fn)
         self._check_rewards(trees)
         credit = self.config.algo.credit
-        if CREDIT[credit.strategy].prepare is not None:  # e.g. counterfactual re-runs
+        if CREDIT[credit.strategy].reruns:
             rerun_engine = self.engine(self._step_seed(self.state.step) ^ 0x5EED)
-            CREDIT[credit.strategy].prepare(trees, by_id, rerun_engine, self.reward_fn, credit)
+            counterfactual_reruns(trees, by_id, rerun_engine, self.reward_fn, credit)
         timings["time/scoring"] = time.perf_counter() - mark
 
         mark = time.perf_counter()

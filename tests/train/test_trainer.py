@@ -20,7 +20,6 @@ from helpers import DEMO_CONTEXT, overfit
 from safetensors.torch import load_file
 
 from selfcest.algo.advantages import Advantages, compute_advantages
-from selfcest.algo.credit import counterfactual_reruns
 from selfcest.budget import Budget
 from selfcest.configure import ConfigError, RunError
 from selfcest.modeling import forward_logprobs
@@ -41,6 +40,7 @@ from selfcest.train.batching import (
 )
 from selfcest.train.checkpoint import list_checkpoints
 from selfcest.train.config import TrainConfig
+from selfcest.train.counterfactual import counterfactual_reruns
 from selfcest.train.logging import PhaseTimer, read_metrics
 from selfcest.train.setup import build_policy, build_trainer
 from selfcest.train.trainer import GRPOTrainer
