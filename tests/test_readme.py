@@ -109,9 +109,10 @@ def test_quickstart_make_targets_run_what_the_readme_says():
         ["-m", "selfcest.experiments.controller_sweep", "--config-name", "controller_main"]]
     assert cpu_repro.DEFAULT_EXPERIMENT == "cpu_repro"
     driver = ast.parse((REPO / "tests/experiments/test_cpu_repro.py").read_text())
-    imported = {alias.name for node in driver.body if isinstance(node, ast.ImportFrom)
-                and node.module == "selfcest.experiments.cpu_repro" for alias in node.names}
-    assert {"compose", "run"} <= imported
+    imported = {(node.module, alias.name) for node in driver.body
+                if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert {("selfcest.experiments.common", "compose"),
+            ("selfcest.experiments.cpu_repro", "run")} <= imported
     assert make_dry_run("test") == ".venv/bin/python -m pytest -q"
 
 

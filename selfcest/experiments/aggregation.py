@@ -35,7 +35,7 @@ from selfcest.algo.losses import AGGREGATIONS, aggregation_weights
 from selfcest.cli import register_schemas
 from selfcest.configure import ConfigError, hydra_app
 from selfcest.eval.stats import bootstrap_mean
-from selfcest.experiments.cpu_repro import evaluation_splits, held_out, load_policy, say
+from selfcest.experiments.common import evaluation_splits, held_out, load_policy, say
 from selfcest.experiments.rl_seeds import train_seed
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.train.config import TrainConfig

@@ -49,8 +49,8 @@ from selfcest.eval.decisions import (
     sample_trees,
     score_decisions,
 )
+from selfcest.experiments.common import load_policy, say, timed, train_arm, warm_start_folder
 from selfcest.experiments.controller_report import write_controller_report
-from selfcest.experiments.cpu_repro import load_policy, say, timed, train_arm, warm_start_folder
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.task import Task

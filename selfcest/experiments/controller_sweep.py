@@ -29,9 +29,9 @@ from hydra.core.config_store import ConfigStore
 
 from selfcest.cli import register_schemas
 from selfcest.configure import hydra_app, require, setting
+from selfcest.experiments.common import compose, say
 from selfcest.experiments.controller import POLICIES, refresh, run
 from selfcest.experiments.controller_report import plot_by_size, plot_decisions
-from selfcest.experiments.cpu_repro import compose, say
 from selfcest.templates import environment
 
 

@@ -14,7 +14,7 @@ A Hydra app over the training config (``--help`` lists every key): the RL seeds 
 ``trainer.seed`` and the ``eval.seeds - 1`` after it; the held-out tasks are
 ``eval.tasks_per_split`` per split (``task.ood_params=null`` leaves out the out-of-distribution
 one), each sampled ``eval.reward_samples`` times at the training temperature, as
-`selfcest.experiments.cpu_repro.held_out` does.
+`selfcest.experiments.common.held_out` does.
 
 Writes ``report.md`` and ``results.json`` under ``trainer.output_dir``: per seed and split
 the held-out reward and its paired difference to the warm start with a 95% bootstrap
@@ -42,7 +42,7 @@ from pathlib import Path
 from selfcest.cli import register_schemas
 from selfcest.configure import ConfigError, hydra_app
 from selfcest.eval.stats import bootstrap_mean
-from selfcest.experiments.cpu_repro import (
+from selfcest.experiments.common import (
     check_resume,
     evaluation_splits,
     held_out,

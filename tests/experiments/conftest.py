@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from selfcest.experiments.cpu_repro import compose
+from selfcest.experiments.common import compose
 from selfcest.train.setup import run_warm_start
 
 # The CPU reproduction at its smallest: 4 SFT steps, then 2 prompts x 2 trees per RL step and

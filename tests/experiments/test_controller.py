@@ -12,9 +12,9 @@ import pytest
 from selfcest.configure import validate
 from selfcest.eval.decisions import sample_trees
 from selfcest.experiments import controller, controller_sweep
+from selfcest.experiments.common import compose
 from selfcest.experiments.controller import held_out_by_size, refresh, run, steps_to_fraction
 from selfcest.experiments.controller_sweep import SweepConfig, sweep, write_summary
-from selfcest.experiments.cpu_repro import compose
 from selfcest.train.config import load_split
 
 SETTINGS = {  # (per processed token, per critical-path token)

@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from selfcest.configure import ConfigError
-from selfcest.experiments import cpu_repro
-from selfcest.experiments.cpu_repro import (
+from selfcest.experiments import common
+from selfcest.experiments.common import (
     check_resume,
     compose,
     load_policy,
-    monolithic_twin,
-    run,
     train_arm,
     warm_start_folder,
 )
+from selfcest.experiments.cpu_repro import monolithic_twin, run
 from selfcest.train.config import validate
 
 # The clone arm's held-out reward gain in the quick variant, measured on this 2-core machine
@@ -128,7 +127,7 @@ def test_an_experiment_evaluates_a_saved_policy_on_this_processs_gpu_with_the_ru
     process's GPU where there is one ("meta" pretends one here), decoding with the run's
     rollout.backend and its vLLM settings."""
     tiny_policy.save_pretrained(tmp_path / "policy")
-    monkeypatch.setattr(cpu_repro, "default_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(common, "default_device", lambda: torch.device("meta"))
     config = compose("cpu_repro_quick", ["rollout.vllm.dtype=float32"])
     config.rollout.backend = "vllm"  # set after validation: vLLM need not be installed to read it
     policy = load_policy(config, tmp_path / "policy")

@@ -10,7 +10,8 @@ import pytest
 from selfcest.eval.report import markdown_report
 from selfcest.eval.results import CellResult, EvalResults
 from selfcest.eval.stats import Estimate
-from selfcest.experiments.cpu_repro import compose, monolithic_twin
+from selfcest.experiments.common import compose
+from selfcest.experiments.cpu_repro import monolithic_twin
 from selfcest.experiments.report import write_repro_report
 from selfcest.train.config import EvaluationConfig
 from selfcest.tree import CloneTree, Node, Segment

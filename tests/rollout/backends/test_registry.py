@@ -11,7 +11,7 @@ import pytest
 from selfcest.configure import ConfigError, validate
 from selfcest.eval.cli import run_eval
 from selfcest.eval.config import EvalConfig
-from selfcest.experiments.cpu_repro import compose
+from selfcest.experiments.common import compose
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends import registry
 from selfcest.rollout.backends.hf import HFBackend
