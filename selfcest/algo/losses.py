@@ -10,12 +10,10 @@ The loss of one token is::
 
     loss = w_is * pg + kl_coef * kl(logp, ref) - entropy_coef * H - decision_entropy_coef * H_d
 
-with ``H_d`` nonzero only on a root's first sampled token, the decision whether to delegate
-(`token_choice_entropy`).
-
-with ``pg`` the PPO-clip term (`per_token_loss`), ``w_is`` an optional truncated
-importance weight and ``kl`` the k3 (or k2) estimator (`kl_penalty`). How token losses are
-averaged over a step is `aggregation_weights`.
+with ``pg`` the PPO-clip term (`per_token_loss`), ``w_is`` an optional truncated importance
+weight, ``kl`` the k3 (or k2) estimator (`kl_penalty`) and ``H_d`` nonzero only on a root's
+first sampled token, the decision whether to delegate (`token_choice_entropy`). How token
+losses are averaged over a step is `aggregation_weights`.
 """
 
 from __future__ import annotations

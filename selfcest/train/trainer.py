@@ -1,6 +1,6 @@
 """GRPO over clone trees: the global reward of each tree is pushed through every branch.
 
-One training step::
+One training step (the rollout and the update alternate: no asynchronous rollout)::
 
     tasks   = the next `prompts_per_step` prompts (prompt i belongs to process i % world)
     trees   = engine.rollout(my tasks, trees_per_prompt)       # every branch, every tree
@@ -11,14 +11,7 @@ One training step::
         micro-batches under a token budget, PPO-clip loss, exact global aggregation
     backend.sync_weights(model)                                 # next rollout sees new weights
 
-A group (all trees of one prompt) always lands on one process, so its advantages are
-computed where all its trees are; metrics are averaged across processes. Trees are rolled
-out by each process's own engine, or by its node's (`machine_rollout.py`); training is data
-parallel or FSDP2-sharded (`sharding.py`).
-
-Simplifications, stated: the rollout and the update alternate (no asynchronous rollout);
-counterfactual credit re-runs only the continuation of the root (clones of clones take
-their depth-1 ancestor's counterfactual credit).
+One engine per machine: `machine_rollout.py`; data parallel or FSDP2-sharded: `sharding.py`.
 """
 
 from __future__ import annotations
@@ -348,6 +341,8 @@ class GRPOTrainer:
         timings = {}
         start = time.perf_counter()
         tasks = self.sampler.take(trainer.prompts_per_step)
+        # A group (all trees of one prompt) lands on one process, which computes its
+        # advantages from all its trees; metrics are averaged across processes.
         local = tasks[acc.process_index :: acc.num_processes]
         trees = self._rollout(tasks, trainer.trees_per_prompt,
                               self.engine(self._step_seed(self.state.step)))

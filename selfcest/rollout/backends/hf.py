@@ -4,29 +4,14 @@ Requests that are pending at the same time (the branches of every tree in the ba
 wait for tokens) are decoded together: one left-padded prefill, then one forward pass per
 step for all of them. Each row stops on its own stop tokens or its own ``max_tokens``, and
 finished rows leave the batch (and the KV cache) at once, so short branches cost nothing
-while long ones finish.
-
-Sampling draws each row's token with the row's own seeded generator, so a request's tokens
+while long ones finish. Each row samples with its own seeded generator, so a request's tokens
 do not depend on what else was batched with it (up to floating-point effects of padding).
 
-Requests with the same prompt in one batch (a GRPO group) are prefilled once, and each row
-starts from a copy of that row's keys and values (a pass over fewer rows may round the last
-bits differently, as any other batching may).
+Requests with the same prompt in one batch (a GRPO group) are prefilled once; a node resumed
+after its spawn call prefills only what came after its cached prefix (`PrefixCache`).
 
-A batch's keys and values go into buffers reserved ahead of the decode (`kv_cache.py`;
-models whose cache is a stack of plain attention layers), where transformers' own cache
-copies all of them at every step; the model computes bitwise the same either way.
-
-A row that stops on one of its request's ``resume_token_ids`` (a node's spawn call) leaves
-its keys and values in a `PrefixCache`; the request that resumes the node, whose prompt
-starts with that row's tokens, prefills only what came after them (the clones' answers).
-Keys computed one token at a time and in one prefill differ in their last bits, so a
-resumed node can sample differently than without the cache, as it can when batched with
-other rows.
-
-Simplification: requests that arrive while a batch is decoding wait for the next batch
-(no continuous batching); at the tree sizes this backend serves, the engine's waves keep
-batches full. vLLM is the engine for continuous batching.
+Simplification: requests that arrive while a batch decodes wait for the next one (vLLM is
+the engine for continuous batching); at these tree sizes the engine's waves keep batches full.
 """
 
 from __future__ import annotations
@@ -226,6 +211,7 @@ class HFBackend:
         run once: the pass feeds each distinct row, then every row gets its copy of that row's
         keys, values and logits.
         """
+        # A pass over fewer rows may round the last bits differently, as any batching may.
         repeated = repeated_rows(input_ids, attention) if cache.get_seq_length() == 0 else None
         fed = slice(None) if repeated is None else repeated[0]
         real = int(attention[fed][:, -input_ids.shape[1]:].sum())
@@ -268,11 +254,12 @@ class HFBackend:
         cached = width - fed  # columns whose keys and values come from the prefix cache
         key_values = None
         if cached:
-            key_values = _batch_key_values(
-                [(p.key_values, max(0, n - fed)) if p else (None, 0) for n,
-                 p in zip(lengths, prefixes)],
-                cached, device)
+            rows = [(p.key_values, max(0, n - fed)) if p else (None, 0)
+                    for n, p in zip(lengths, prefixes)]
+            key_values = _batch_key_values(rows, cached, device)
         self.cached_prompt_tokens += sum(max(0, n - fed) for n in lengths)
+        # Buffers reserved ahead of the decode (kv_cache.py), where transformers' own cache
+        # copies every key and value at every step; the model computes bitwise the same.
         if self.plain_cache:
             room = min(max(r.max_tokens for r in requests), RESERVED_AHEAD)
             cache = reserved_cache(self.model.config, width + room, key_values)
@@ -283,6 +270,10 @@ class HFBackend:
     def _keep_prefix(self, cache: DynamicCache, row: int, token_ids: list[int]) -> None:
         """Store the keys and values of batch row ``row``, whose fed tokens are ``token_ids``
         (the last ones in every layer's cache; the columns before them are padding)."""
+        # The row stopped on a resume token (a node's spawn call): the request that resumes the
+        # node starts with these tokens and prefills only the clones' answers. Keys computed a
+        # token at a time and in one prefill differ in their last bits, so a resumed node can
+        # sample differently than without the cache, as it can when batched with other rows.
         if self.prefix_cache is None:
             return
         length = len(token_ids)
