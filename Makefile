@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: install run test test-slow bench clean
+.PHONY: install run lint test test-slow bench clean
 
 $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ install: $(VENV)/.installed
 # controller's main sweep, one core each.
 run: install
 	$(PY) -m selfcest.experiments.main
+
+# Lint (ruff: pycodestyle errors, pyflakes, import order; pyproject.toml's [tool.ruff]).
+lint: install
+	$(VENV)/bin/ruff check .
 
 # The default test run: CPU only, no network, a few minutes.
 test: install

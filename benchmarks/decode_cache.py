@@ -41,7 +41,8 @@ LARGE_VOCAB = 492  # the vocabulary vs_trl's tokenizer ends up with
 
 def smollm2_shaped():
     """A random Llama with SmolLM2-135M's shape."""
-    config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3,
                          intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
                          tie_word_embeddings=True)
     torch.manual_seed(SEED)
@@ -66,7 +67,8 @@ def decode(model, prompts: list[list[int]], new_tokens: int, seed: int, cache_fa
 
     async def batch():
         return await asyncio.gather(*(
-            backend.generate(prompt, max_tokens=new_tokens, stop_token_ids=(), sampling=SamplingParams(1.0),
+            backend.generate(prompt, max_tokens=new_tokens, stop_token_ids=(),
+                             sampling=SamplingParams(1.0),
                              seed=next(seeds))
             for prompt in prompts for _ in range(GROUP)))
     try:
@@ -97,10 +99,12 @@ def compare(name: str, prompt_tokens: int, new_tokens: int, rows: int, pairs: in
             seconds[way].append(elapsed)
             drawn[way] = [(c.token_ids, c.logprobs) for c in completions]
         identical &= drawn["reserved"] == drawn["dynamic"]
-        print(f"{name} pair {pair}: reserved {seconds['reserved'][-1]:.3f} s, dynamic {seconds['dynamic'][-1]:.3f} s",
+        print(f"{name} pair {pair}: reserved {seconds['reserved'][-1]:.3f} s, dynamic "
+              f"{seconds['dynamic'][-1]:.3f} s",
               flush=True)
     medians = {way: statistics.median(times) for way, times in seconds.items()}
-    return {"model": name, **medians, "ratio": medians["reserved"] / medians["dynamic"], "identical": identical}
+    return {"model": name, **medians, "ratio": medians["reserved"] / medians["dynamic"],
+            "identical": identical}
 
 
 def main() -> None:
@@ -112,10 +116,13 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3, help="decodes of each way, alternating")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = [compare(name, args.prompt_tokens, args.new_tokens, args.rows, args.pairs) for name in args.model]
-    print(f"{'model':8s} {'reserved s':>10s} {'dynamic s':>10s} {'ratio':>6s}  same tokens and logprobs")
+    results = [compare(name, args.prompt_tokens, args.new_tokens, args.rows, args.pairs)
+               for name in args.model]
+    print(f"{'model':8s} {'reserved s':>10s} {'dynamic s':>10s} {'ratio':>6s}  same tokens and "
+          "logprobs")
     for r in results:
-        print(f"{r['model']:8s} {r['reserved']:10.3f} {r['dynamic']:10.3f} {r['ratio']:6.3f}  {r['identical']}")
+        print(f"{r['model']:8s} {r['reserved']:10.3f} {r['dynamic']:10.3f} {r['ratio']:6.3f}  "
+              f"{r['identical']}")
 
 
 if __name__ == "__main__":

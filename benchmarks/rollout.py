@@ -83,7 +83,8 @@ def main() -> None:
     for _ in range(args.repeats):  # alternating, so that load drifts hit every way alike
         elapsed, trees, backend = time_trees(policy, tasks, batch_size=256)
         tree_times.append(elapsed)
-        elapsed, uncached_trees, uncached = time_trees(policy, tasks, batch_size=256, prefix_cache_mb=0)
+        elapsed, uncached_trees, uncached = time_trees(policy, tasks, batch_size=256,
+                                                       prefix_cache_mb=0)
         uncached_times.append(elapsed)
         generated = sum(t.costs().generated_tokens for t in trees)
         elapsed, flat = time_flat(policy, tasks, round(generated / len(tasks)))
@@ -109,8 +110,8 @@ def main() -> None:
     # nodes still prefill, and waves that decode fewer rows per pass than one batch.
     for name, b in (("trees", backend), ("trees, no prefix cache", uncached), ("flat", flat)):
         print(f"{name}: {b.batches} batches, {b.forward_passes} forward passes, {b.prefill_tokens} "
-              f"prefilled tokens ({b.prefill_real_tokens} without padding; {b.cached_prompt_tokens} "
-              f"taken from the prefix cache) in {b.prefill_seconds:.2f} s")
+              f"prefilled tokens ({b.prefill_real_tokens} without padding; "
+              f"{b.cached_prompt_tokens} taken from the prefix cache) in {b.prefill_seconds:.2f} s")
 
 
 if __name__ == "__main__":

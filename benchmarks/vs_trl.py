@@ -147,7 +147,8 @@ def selfcest_overrides(folder: Path, model: str, beta: float, steps: int, out: P
         "rollout.budget.max_depth=0", f"rollout.budget.node_generation={MAX_NEW_TOKENS}",
         f"trainer.prompts_per_step={PROMPTS_PER_STEP}", f"trainer.trees_per_prompt={GROUP}",
         f"trainer.lr={LR}", "trainer.schedule=constant", "trainer.warmup_steps=0",
-        "trainer.weight_decay=0.0", "trainer.max_grad_norm=1.0", "trainer.optimizer_steps_per_step=1",
+        "trainer.weight_decay=0.0", "trainer.max_grad_norm=1.0",
+        "trainer.optimizer_steps_per_step=1",
         f"trainer.steps={steps}", f"trainer.seed={SEED}", f"trainer.output_dir={out}",
         "log.progress=false", "log.trees_every=0",
     ]
@@ -161,7 +162,8 @@ def selfcest_phases(metrics: dict[str, float]) -> dict[str, float]:
         "step": metrics["time/step"],
         "rollout": metrics["time/rollout"],
         "scoring": metrics["time/scoring"],
-        "training": metrics["time/training"] + metrics["time/sync"] - metrics.get("time/reference", 0.0),
+        "training": metrics["time/training"] + metrics["time/sync"]
+        - metrics.get("time/reference", 0.0),
         "reward": metrics["reward/mean"],
         "tokens": metrics["cost/generated_tokens"],
     }
@@ -183,10 +185,12 @@ def run_selfcest(folder: Path, model: str, beta: float, steps: int, out: Path,
 
     def reward_fn(tree, task) -> RewardResult:
         text = final_turn_text(tree)
-        return RewardResult(score=reward(text, task.answer), correct=contains_sum(text, task.answer))
+        return RewardResult(score=reward(text, task.answer),
+                            correct=contains_sum(text, task.answer))
 
     register_schemas()
-    config = compose("train", selfcest_overrides(folder, model, beta, steps, out) + list(extra), TrainConfig)
+    config = compose("train", selfcest_overrides(folder, model, beta, steps, out) + list(extra),
+                     TrainConfig)
     trainer = build_trainer(config, reward_fn=reward_fn)
     try:
         # The digest is taken after the step's clock stopped: it is not part of the step.
@@ -238,7 +242,8 @@ def timed_trl_trainer():
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             self.trainer.finish_step(time.perf_counter() - self.start)
-            self.trainer.steps[-1]["weights"] = weights_digest(model)  # after the step's clock stopped
+            # after the step's clock stopped
+            self.trainer.steps[-1]["weights"] = weights_digest(model)
 
     class TimedGRPOTrainer(GRPOTrainer):
         def __init__(self, *args, **kwargs) -> None:
@@ -307,7 +312,8 @@ def run_trl(folder: Path, model: str, beta: float, steps: int, out: Path) -> lis
 
     schedule = [json.loads(line) for line in (folder / "schedule.jsonl").read_text().splitlines()]
     dataset = Dataset.from_list([
-        {"prompt": [{"role": "user", "content": row["prompt"]}], "answer": row["answer"]} for row in schedule
+        {"prompt": [{"role": "user", "content": row["prompt"]}], "answer": row["answer"]}
+        for row in schedule
     ])
 
     def digit_reward(completions, answer, **kwargs) -> list[float]:
@@ -360,12 +366,14 @@ def run_worker(library: str, folder: Path, model: str, beta: float, steps: int, 
         # The TRL run must not see selfcest at all (.venv-trl does not install it).
         env.pop("PYTHONPATH", None)
     command = [python, __file__, "--worker", library, "--folder", str(folder), "--model", model,
-               "--beta", str(beta), "--steps", str(steps), "--threads", str(threads), "--out", str(result)]
+               "--beta", str(beta), "--steps", str(steps), "--threads", str(threads), "--out",
+               str(result)]
     if library == "selfcest" and selfcest_set:
         command += ["--selfcest-set", *selfcest_set]
     busy, own, start = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
     with open(log, "w") as output:
-        done = subprocess.run(command, env=env, stdout=output, stderr=subprocess.STDOUT, check=False)
+        done = subprocess.run(command, env=env, stdout=output, stderr=subprocess.STDOUT,
+                              check=False)
     wall = time.perf_counter() - start
     other = (busy_cpu_seconds() - busy - (children_cpu_seconds() - own)) / wall
     if done.returncode:
@@ -399,7 +407,8 @@ def summary(runs: list[list[Step]]) -> dict[str, float]:
     mean reward of the first and the last step, over runs; the mean completion length."""
     measured = [steps[1:] or steps for steps in runs]
     keys = [k for k in ("step", *PHASES) if all(k in s for steps in measured for s in steps)]
-    out = {k: statistics.median(statistics.median(s[k] for s in steps) for steps in measured) for k in keys}
+    out = {k: statistics.median(statistics.median(s[k] for s in steps) for steps in measured)
+           for k in keys}
     out["tokens"] = statistics.fmean(s["tokens"] for steps in runs for s in steps)
     out["reward_first"] = statistics.fmean(steps[0]["reward"] for steps in runs)
     out["reward_last"] = statistics.fmean(steps[-1]["reward"] for steps in runs)
@@ -409,35 +418,43 @@ def summary(runs: list[list[Step]]) -> dict[str, float]:
 def print_tables(results: dict[tuple[str, float], dict[str, dict[str, float]]]) -> None:
     """The comparison (step time, ratio, reward) and each library's phase split, per model
     and beta."""
-    print(f"\n{'model':6s} {'beta':>5s} {'TRL s/step':>11s} {'selfcest s/step':>16s} {'selfcest/TRL':>13s}"
-          f"  {'reward TRL':>12s}  {'reward selfcest':>15s}   (reward: mean of the first -> last step)")
+    print(f"\n{'model':6s} {'beta':>5s} {'TRL s/step':>11s} {'selfcest s/step':>16s} "
+          f"{'selfcest/TRL':>13s}  {'reward TRL':>12s}  {'reward selfcest':>15s}   (reward: mean "
+          "of the first -> last step)")
     for (model, beta), by_library in results.items():
         trl, ours = by_library["trl"], by_library["selfcest"]
-        print(f"{model:6s} {beta:5.2f} {trl['step']:11.3f} {ours['step']:16.3f} {ours['step'] / trl['step']:13.2f}"
-              f"  {trl['reward_first']:5.3f}->{trl['reward_last']:<5.3f}"
-              f"  {ours['reward_first']:8.3f}->{ours['reward_last']:<5.3f}")
+        print(f"{model:6s} {beta:5.2f} {trl['step']:11.3f} {ours['step']:16.3f} "
+              f"{ours['step'] / trl['step']:13.2f}  "
+              f"{trl['reward_first']:5.3f}->{trl['reward_last']:<5.3f}  "
+              f"{ours['reward_first']:8.3f}->{ours['reward_last']:<5.3f}")
     print("\nphase split, s/step (median of run medians); tokens: mean completion length")
-    print(f"{'model':6s} {'beta':>5s} {'library':9s}" + "".join(f"{p:>10s}" for p in (*PHASES, "tokens")))
+    print(f"{'model':6s} {'beta':>5s} {'library':9s}"
+          + "".join(f"{p:>10s}" for p in (*PHASES, "tokens")))
     for (model, beta), by_library in results.items():
         for library in ("trl", "selfcest"):
             row = by_library[library]
             cells = "".join(f"{row[p]:10.3f}" if p in row else f"{'-':>10s}" for p in PHASES)
-            print(f"{model:6s} {beta:5.2f} {'TRL' if library == 'trl' else library:9s}{cells}{row['tokens']:10.1f}")
-    print("rollout: generation; scoring: rewards and advantages; reference: the KL reference's forward "
-          "(TRL's while scoring, selfcest's in its update);\ntraining: the update, less the reference where "
-          "reported (forward: the loss's forward pass; optimizer: clip, step, zero grad); -: not reported")
+            print(f"{model:6s} {beta:5.2f} "
+                  f"{'TRL' if library == 'trl' else library:9s}{cells}{row['tokens']:10.1f}")
+    print("rollout: generation; scoring: rewards and advantages; reference: the KL reference's "
+          "forward (TRL's while scoring, selfcest's in its update);\ntraining: the update, less "
+          "the reference where reported (forward: the loss's forward pass; optimizer: clip, step, "
+          "zero grad); -: not reported")
 
 
 def print_repeats(all_runs: dict[str, dict[str, list[list[Step]]]]) -> None:
     """Whether each library's runs of one model and beta, all with one seed, trained bitwise
     the same weights at every step; where not, the first run and step that differ."""
-    print("\nrepeats: each library's runs (one seed) compared by their weights after every step, bitwise")
+    print("\nrepeats: each library's runs (one seed) compared by their weights after every step, "
+          "bitwise")
     for setting, by_library in all_runs.items():
         for library, runs in by_library.items():
             drift = first_drift(runs)
             verdict = ("alike at every step" if drift is None
-                       else f"run {drift[0] + 1}'s weights differ from run 1's after step {drift[1] + 1}")
-            print(f"{setting:16s} {'TRL' if library == 'trl' else library:9s} {len(runs)} run(s): {verdict}")
+                       else f"run {drift[0] + 1}'s weights differ from run 1's after step "
+                            f"{drift[1] + 1}")
+            print(f"{setting:16s} {'TRL' if library == 'trl' else library:9s} {len(runs)} run(s): "
+                  f"{verdict}")
 
 
 def kept_run(library: str, folder: Path, model: str, beta: float, pair: int,
@@ -448,7 +465,8 @@ def kept_run(library: str, folder: Path, model: str, beta: float, pair: int,
         wait_for_quiet(args.max_other_load)
         log = folder / "runs" / f"{library}-{model}-beta{beta}-{pair}-{attempt}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        steps, other = run_worker(library, folder, model, beta, args.steps, args.threads, log, args.selfcest_set)
+        steps, other = run_worker(library, folder, model, beta, args.steps, args.threads, log,
+                                  args.selfcest_set)
         if other <= args.max_other_load:
             return steps, attempt
         print(f"discarded {log.stem}: other processes used {other:.2f} cores meanwhile", flush=True)
@@ -485,7 +503,8 @@ def main() -> None:
     parser.add_argument("--model", nargs="+", default=["small", "large"], choices=sorted(MODELS))
     parser.add_argument("--beta", nargs="+", type=float, default=[0.0, 0.04])
     parser.add_argument("--steps", type=int, default=8, help="steps a run (the first is warm-up)")
-    parser.add_argument("--pairs", type=int, default=3, help="runs of each library per model and beta")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="runs of each library per model and beta")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run")
     parser.add_argument("--max-other-load", type=float, default=0.1,
                         help="cores other processes may use during a run before it is discarded")
@@ -511,10 +530,12 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     if args.worker == "selfcest":
-        steps = run_selfcest(Path(args.folder), args.model[0], args.beta[0], args.steps, out.with_suffix(""),
+        steps = run_selfcest(Path(args.folder), args.model[0], args.beta[0], args.steps,
+                             out.with_suffix(""),
                              args.selfcest_set)
     else:
-        steps = run_trl(Path(args.folder), args.model[0], args.beta[0], args.steps, out.with_suffix(""))
+        steps = run_trl(Path(args.folder), args.model[0], args.beta[0], args.steps,
+                        out.with_suffix(""))
     out.write_text(json.dumps(steps))
 
 

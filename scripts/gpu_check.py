@@ -75,9 +75,11 @@ class Plan:
     matmul: int
 
 
-GPU = Plan(("0.5b", "1.5b"), steps=3, prompts=32, generate=128, micro_tokens=16384, sft_steps=80, tasks=64,
+GPU = Plan(("0.5b", "1.5b"), steps=3, prompts=32, generate=128, micro_tokens=16384, sft_steps=80,
+           tasks=64,
            matmul=8192)
-CPU = Plan(("cpu-s", "cpu-m"), steps=3, prompts=4, generate=16, micro_tokens=2048, sft_steps=150, tasks=8,
+CPU = Plan(("cpu-s", "cpu-m"), steps=3, prompts=4, generate=16, micro_tokens=2048, sft_steps=150,
+           tasks=8,
            matmul=512)
 
 
@@ -88,8 +90,10 @@ def sharded_accelerator(**kwargs) -> Accelerator:
     accelerator = Accelerator(**kwargs)
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState().distributed_type = DistributedType.FSDP
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            reshard_after_forward=True, state_dict_type="FULL_STATE_DICT",
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2,
+                                            auto_wrap_policy="transformer_based_wrap",
+                                            reshard_after_forward=True,
+                                            state_dict_type="FULL_STATE_DICT",
                                             cpu_ram_efficient_loading=False)
     plugin.set_mixed_precision(accelerator.mixed_precision)
     accelerator.state.fsdp_plugin = plugin
@@ -100,7 +104,8 @@ def start_process_group(device: torch.device) -> None:
     with socket.socket() as probe:  # a free port for the one-process group
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}",
                             rank=0, world_size=1)
 
 
@@ -126,8 +131,10 @@ def random_policy(shape: str, device: torch.device) -> ClonePolicy:
     """A Qwen2 of ``shape`` with random float32 weights, built on ``device``."""
     hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
     tokenizer = build_tokenizer()
-    config = Qwen2Config(vocab_size=max(vocab, len(tokenizer)), hidden_size=hidden, intermediate_size=inter,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+    config = Qwen2Config(vocab_size=max(vocab, len(tokenizer)), hidden_size=hidden,
+                         intermediate_size=inter,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv,
                          max_position_embeddings=4096, tie_word_embeddings=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
@@ -139,7 +146,8 @@ def random_policy(shape: str, device: torch.device) -> ClonePolicy:
 def even_token_reward(tree, task) -> RewardResult:
     """Share of even token ids among the generated ones: varies under a random policy, so
     every group has variance and every step trains."""
-    ids = [t for node in tree.nodes.values() for s in node.segments if s.trainable for t in s.token_ids]
+    ids = [t for node in tree.nodes.values() for s in node.segments if s.trainable
+           for t in s.token_ids]
     return RewardResult(score=sum(t % 2 == 0 for t in ids) / max(1, len(ids)), correct=False)
 
 
@@ -148,7 +156,8 @@ def train_config(plan: Plan, out: Path, checkpointing: bool, steps: int) -> Trai
     config.model.dtype = "bfloat16"
     config.model.gradient_checkpointing = checkpointing
     config.task.params = {"split": "train", "n_train": 512, "n_test": 8, "n_ood": 8}
-    config.rollout.budget = Budget(node_generation=plan.generate, tree_generation=4 * plan.generate, node_context=1024)
+    config.rollout.budget = Budget(node_generation=plan.generate, tree_generation=4 * plan.generate,
+                                   node_context=1024)
     config.rollout.max_batch_size = 256
     config.trainer.steps = steps
     config.trainer.prompts_per_step = plan.prompts
@@ -160,7 +169,8 @@ def train_config(plan: Plan, out: Path, checkpointing: bool, steps: int) -> Trai
     return config
 
 
-def train_run(plan: Plan, shape: str, checkpointing: bool, device: torch.device, peak: float, out: Path) -> dict:
+def train_run(plan: Plan, shape: str, checkpointing: bool, device: torch.device, peak: float,
+              out: Path) -> dict:
     """``plan.steps`` GRPO steps of ``shape``; the means leave the first step out (kernels
     and allocators warming up)."""
     if device.type == "cuda":
@@ -178,9 +188,11 @@ def train_run(plan: Plan, shape: str, checkpointing: bool, device: torch.device,
     row = {
         "shape": shape, "checkpointing": checkpointing, "parameters": params,
         "train_tokens_per_s": tokens_per_s, "mfu": 6 * params * tokens_per_s / peak,
-        "step_s": mean("time/step"), "rollout_s": mean("time/rollout"), "training_s": mean("time/training"),
+        "step_s": mean("time/step"), "rollout_s": mean("time/rollout"),
+        "training_s": mean("time/training"),
         "rollout_tokens_per_s": mean("throughput/rollout_tokens_per_s"),
-        "trained_tokens": mean("train/trainable_tokens"), "padding_frac": mean("train/padding_frac"),
+        "trained_tokens": mean("train/trainable_tokens"),
+        "padding_frac": mean("train/padding_frac"),
         "logprob_diff_mean": mean("rollout/logprob_diff_mean"), "logprob_diff_max": max(
             h.get("rollout/logprob_diff_max", 0.0) for h in measured),
     }
@@ -194,11 +206,13 @@ def rollout_comparison(plan: Plan, device: torch.device) -> dict:
     """Clone trees against flat generation of as many tokens, on the HF backend, after a short
     warm start on the keyed_sum teacher's demonstrations (so the trees have clones)."""
     policy = random_policy(plan.shapes[0], device)
-    source = TaskSourceConfig("keyed_sum", {"split": "train", "n_train": 256, "n_test": 0, "n_ood": 0})
+    source = TaskSourceConfig("keyed_sum",
+                              {"split": "train", "n_train": 256, "n_test": 0, "n_ood": 0})
     trees = demonstrations(source, "keyed_sum", {}, policy.protocol, TREE_BUDGET)
     start = time.perf_counter()
-    loss = train_sft(policy, trees, SFTConfig(steps=plan.sft_steps, lr=3e-4 if device.type == "cuda" else 3e-3,
-                                              warmup_steps=5))[-1]["sft/loss"]
+    loss = train_sft(policy, trees,
+                     SFTConfig(steps=plan.sft_steps, lr=3e-4 if device.type == "cuda" else 3e-3,
+                               warmup_steps=5))[-1]["sft/loss"]
     sft_s = time.perf_counter() - start
     tasks = load_tasks("keyed_sum", split="test", n_train=0, n_test=plan.tasks, n_ood=0)
     with torch.autocast(device.type, torch.bfloat16):
@@ -207,7 +221,8 @@ def rollout_comparison(plan: Plan, device: torch.device) -> dict:
         generated = sum(t.costs().generated_tokens for t in trees)
         flat_s, _ = time_flat(policy, tasks, max(1, round(generated / len(tasks))))
     return {"shape": plan.shapes[0], "warm_start_steps": plan.sft_steps, "warm_start_loss": loss,
-            "warm_start_s": sft_s, "trees": len(trees), "clones_per_tree": sum(t.costs().clones for t in trees) / len(trees),
+            "warm_start_s": sft_s, "trees": len(trees),
+            "clones_per_tree": sum(t.costs().clones for t in trees) / len(trees),
             "generated_tokens": generated, "trees_tokens_per_s": generated / tree_s,
             "flat_tokens_per_s": generated / flat_s, "trees_over_flat_time": tree_s / flat_s}
 
@@ -225,37 +240,45 @@ def bitwise_repeat(plan: Plan, device: torch.device, out: Path) -> dict:
     digests = []
     for run in range(2):
         trainer = build_trainer(train_config(plan, out / f"repeat{run}", False, 2),
-                                policy=random_policy(plan.shapes[0], device), reward_fn=even_token_reward)
+                                policy=random_policy(plan.shapes[0], device),
+                                reward_fn=even_token_reward)
         trainer.train()
         digests.append(weights_digest(trainer.model))
         trainer.close()
         del trainer
-    return {"shape": plan.shapes[0], "steps": 2, "bitwise_equal": digests[0] == digests[1], "digests": digests}
+    return {"shape": plan.shapes[0], "steps": 2, "bitwise_equal": digests[0] == digests[1],
+            "digests": digests}
 
 
 def table(report: dict) -> str:
     lines = [f"device: {report['device']}   bf16 matmul: {report['matmul_tflops']:.1f} TFLOP/s   "
              f"({report['seconds']:.0f} s)",
-             f"{'shape':<7}{'ckpt':<6}{'tokens/s':>10}{'MFU':>8}{'step s':>8}{'rollout s':>10}{'peak GiB':>10}"
-             f"{'|dlogp| mean/max':>20}"]
+             f"{'shape':<7}{'ckpt':<6}{'tokens/s':>10}{'MFU':>8}{'step s':>8}{'rollout s':>10}"
+             f"{'peak GiB':>10}{'|dlogp| mean/max':>20}"]
     for row in report["train"]:
         memory = f"{row['peak_memory_gib']:.1f}" if "peak_memory_gib" in row else "-"
-        lines.append(f"{row['shape']:<7}{'on' if row['checkpointing'] else 'off':<6}{row['train_tokens_per_s']:>10,.0f}"
-                     f"{row['mfu']:>8.1%}{row['step_s']:>8.2f}{row['rollout_s']:>10.2f}{memory:>10}"
-                     f"{row['logprob_diff_mean']:>11.2e}/{row['logprob_diff_max']:.2e}")
+        lines.append(
+            f"{row['shape']:<7}{'on' if row['checkpointing'] else 'off':<6}"
+            f"{row['train_tokens_per_s']:>10,.0f}{row['mfu']:>8.1%}{row['step_s']:>8.2f}{row['rollout_s']:>10.2f}{memory:>10}"
+            f"{row['logprob_diff_mean']:>11.2e}/{row['logprob_diff_max']:.2e}")
     rollout = report["rollout"]
-    lines.append(f"rollout ({rollout['shape']}, HF backend): trees {rollout['trees_tokens_per_s']:,.0f} tokens/s, flat "
-                 f"{rollout['flat_tokens_per_s']:,.0f} tokens/s, trees/flat time {rollout['trees_over_flat_time']:.2f}x, "
-                 f"{rollout['clones_per_tree']:.1f} clones per tree")
+    lines.append(f"rollout ({rollout['shape']}, HF backend): trees "
+                 f"{rollout['trees_tokens_per_s']:,.0f} tokens/s, flat "
+                 f"{rollout['flat_tokens_per_s']:,.0f} tokens/s, trees/flat time "
+                 f"{rollout['trees_over_flat_time']:.2f}x, {rollout['clones_per_tree']:.1f} clones "
+                 "per tree")
     repeat = report["bitwise_repeat"]
-    lines.append(f"two runs of {repeat['steps']} steps, one seed: {'bitwise equal' if repeat['bitwise_equal'] else 'DIFFER'}")
+    lines.append(f"two runs of {repeat['steps']} steps, one seed: "
+                 f"{'bitwise equal' if repeat['bitwise_equal'] else 'DIFFER'}")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu", action="store_true", help="the same check on tiny shapes, on a machine without CUDA")
-    parser.add_argument("--out", default="runs/gpu_check.json", help="the JSON report (a table goes to stdout)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="the same check on tiny shapes, on a machine without CUDA")
+    parser.add_argument("--out", default="runs/gpu_check.json",
+                        help="the JSON report (a table goes to stdout)")
     args = parser.parse_args()
     if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA device here: run with --cpu for the CPU check")
@@ -270,11 +293,15 @@ def main() -> None:
     work = out.with_suffix("")  # the runs' folders
     peak = matmul_rate(device, plan.matmul)
     report = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or 'cpu'})",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "transformers": transformers.__version__, "accelerate": accelerate.__version__},
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else f"cpu ({platform.processor() or 'cpu'})",
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "cuda": torch.version.cuda,
+                     "transformers": transformers.__version__,
+                     "accelerate": accelerate.__version__},
         "matmul_tflops": peak / 1e12,
-        "train": [train_run(plan, shape, checkpointing, device, peak, work / f"{shape}-{checkpointing}")
+        "train": [train_run(plan, shape, checkpointing, device, peak,
+                            work / f"{shape}-{checkpointing}")
                   for shape in plan.shapes for checkpointing in (False, True)],
         "rollout": rollout_comparison(plan, device),
         "bitwise_repeat": bitwise_repeat(plan, device, work),

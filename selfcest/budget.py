@@ -26,10 +26,14 @@ class Budget:
     clone_generation: int = setting(0, help=(
         "tokens one clone may generate, if clones get less than the root (the paper code: root "
         "4096, clones 1024); 0 means node_generation"))
-    node_context: int = setting(1024, help="tokens one node's context may hold (prompt + all segments)")
-    tree_generation: int = setting(2048, help="tokens all nodes of a tree may generate together (the matched inference budget)")
-    max_depth: int = setting(1, help="deepest clone level; 0 disables spawning, 1 lets only the root spawn")
-    clones_per_spawn: int = setting(4, help="objectives one spawn call may start; extras get an error entry")
+    node_context: int = setting(1024,
+                                help="tokens one node's context may hold (prompt + all segments)")
+    tree_generation: int = setting(2048, help="tokens all nodes of a tree may generate together "
+                                              "(the matched inference budget)")
+    max_depth: int = setting(1, help="deepest clone level; 0 disables spawning, 1 lets only the "
+                                     "root spawn")
+    clones_per_spawn: int = setting(4, help="objectives one spawn call may start; extras get an "
+                                            "error entry")
     clones_per_tree: int = setting(16, help="clones one tree may hold in total")
     spawn_rounds: int = setting(2, help="spawn calls one node may make (malformed calls count too)")
     return_tokens: int = setting(32, help="tokens of one clone's answer shown to its parent")
@@ -42,7 +46,8 @@ class Budget:
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise BudgetError(f"{f.name} must be an integer, got {value!r}")
-            minimum = 0 if f.name in ("max_depth", "clones_per_tree", "spawn_rounds", "clone_generation") else 1
+            minimum = 0 if f.name in ("max_depth", "clones_per_tree", "spawn_rounds",
+                                      "clone_generation") else 1
             if value < minimum:
                 raise BudgetError(f"{f.name} must be >= {minimum}, got {value}")
         if self.node_generation > self.tree_generation:
@@ -103,7 +108,8 @@ class Allowance:
         self.descendants += child.spent
 
 
-def clone_pools(pool_left: int, requested: list[int | None], own_left: int | None = None) -> list[int]:
+def clone_pools(pool_left: int, requested: list[int | None], own_left: int
+                | None = None) -> list[int]:
     """Generation pools for the clones of one spawn call.
 
     The parent keeps a reserve for its own continuation: an equal ``1 / (k + 1)`` share of

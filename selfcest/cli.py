@@ -43,7 +43,8 @@ def run_training(config: TrainConfig) -> None:
     if trainer.stopped_by is not None:
         latest = list_checkpoints(config.trainer.output_dir)[-1]
         print(f"selfcest: stopped by {trainer.stopped_by} after step {trainer.state.step} of "
-              f"{config.trainer.steps}; checkpoint {latest}; continue with trainer.resume=true", file=sys.stderr)
+              f"{config.trainer.steps}; checkpoint {latest}; continue with trainer.resume=true",
+              file=sys.stderr)
         sys.exit(130 if trainer.stopped_by == "SIGINT" else 0)
 
 
@@ -55,7 +56,8 @@ def train() -> None:
 
 def sft() -> None:
     """selfcest-sft: the ``warm_start`` section of a training config alone; the policy is
-    saved to ``<trainer.output_dir>/sft`` (start from it with ``warm_start.policy=<that folder>``)."""
+    saved to ``<trainer.output_dir>/sft`` (start from it with ``warm_start.policy=<that
+    folder>``)."""
     register_schemas()
     hydra_app("train", TrainConfig, run_warm_start, program="selfcest-sft")
 

@@ -26,7 +26,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -48,7 +47,8 @@ class Choice(str, enum.Enum):
         return self.value
 
 
-def setting(default: Any = dataclasses.MISSING, *, help: str, factory: Callable[[], Any] | None = None):
+def setting(default: Any = dataclasses.MISSING, *, help: str,
+            factory: Callable[[], Any] | None = None):
     """A dataclass field with its help text (``factory`` for mutable defaults)."""
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={"help": help})
@@ -119,9 +119,11 @@ def _children(config: Any):
         if dataclasses.is_dataclass(value):
             yield f.name, value
         elif isinstance(value, list):
-            yield from ((f"{f.name}[{i}]", v) for i, v in enumerate(value) if dataclasses.is_dataclass(v))
+            yield from ((f"{f.name}[{i}]", v) for i, v in enumerate(value)
+                        if dataclasses.is_dataclass(v))
         elif isinstance(value, dict):
-            yield from ((f"{f.name}.{k}", v) for k, v in value.items() if dataclasses.is_dataclass(v))
+            yield from ((f"{f.name}.{k}", v) for k, v in value.items()
+                        if dataclasses.is_dataclass(v))
 
 
 class _at:
@@ -165,7 +167,8 @@ def build(kind: type, data: Any, path: str = "") -> Any:
             data = OmegaConf.to_container(data, resolve=True, throw_on_missing=True)
         except MissingMandatoryValue as error:
             key = getattr(error, "full_key", None) or "a value"
-            raise ConfigError(f"{key} is required: set it on the command line, e.g. {key}=...") from None
+            raise ConfigError(
+                f"{key} is required: set it on the command line, e.g. {key}=...") from None
         except OmegaConfBaseException as error:
             raise ConfigError(_explain(error)) from None
     return _build(kind, data, path)
@@ -178,8 +181,10 @@ def _build(kind: Any, value: Any, path: str) -> Any:
         known = {f.name for f in dataclasses.fields(inner) if f.init}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ConfigError(f"unknown key {_join(path, unknown[0])}; known keys: {', '.join(sorted(known))}")
-        kwargs = {name: _build(hints[name], item, _join(path, name)) for name, item in value.items()}
+            raise ConfigError(f"unknown key {_join(path, unknown[0])}; known keys: "
+                              f"{', '.join(sorted(known))}")
+        kwargs = {name: _build(hints[name], item, _join(path, name)) for name,
+                  item in value.items()}
         with _at(path):
             return inner(**kwargs)
     origin, args = typing.get_origin(kind), typing.get_args(kind)
@@ -218,7 +223,8 @@ def _enum_of(kind: Any) -> type | None:
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return kind
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        inner = [t for t in typing.get_args(kind) if isinstance(t, type) and issubclass(t, enum.Enum)]
+        inner = [t for t in typing.get_args(kind) if isinstance(t, type)
+                 and issubclass(t, enum.Enum)]
         return inner[0] if inner else None
     return None
 
@@ -250,7 +256,8 @@ def describe(kind: type, path: str = "") -> list[str]:
             lines += describe(element[1], key + element[0])
             continue
         default = _default(f)
-        lines.append(f"{key} ({_type_name(hints[f.name])}, default {default}): {f.metadata.get('help', '')}")
+        lines.append(f"{key} ({_type_name(hints[f.name])}, default {default}): "
+                     f"{f.metadata.get('help', '')}")
     return lines
 
 
@@ -300,7 +307,8 @@ def check_overrides(kind: type, args: Sequence[str]) -> None:
     for arg in args:
         key, sep, value = arg.partition("=")
         key = key.lstrip("+~")
-        if not sep or arg.startswith("-") or "@" in key or "/" in key or key.split(".")[0] == "hydra":
+        if not sep or arg.startswith(
+            "-") or "@" in key or "/" in key or key.split(".")[0] == "hydra":
             continue
         if "." not in key and (CONFIG_DIR / key).is_dir():
             continue
@@ -314,8 +322,8 @@ def _check_key(kind: type, key: str, value: str) -> None:
         if part not in fields:
             close = difflib.get_close_matches(part, fields, n=1)
             hint = f" (did you mean {_join(path, close[0])}?)" if close else ""
-            raise ConfigError(f"unknown key {_join(path, part)}{hint}; the keys of {path or 'the config'}: "
-                              f"{', '.join(sorted(fields))}")
+            raise ConfigError(f"unknown key {_join(path, part)}{hint}; the keys of "
+                              f"{path or 'the config'}: {', '.join(sorted(fields))}")
         path = _join(path, part)
         hint = typing.get_type_hints(section)[part]
         section = _dataclass_of(hint)
@@ -324,19 +332,21 @@ def _check_key(kind: type, key: str, value: str) -> None:
             if depth < len(parts) and not free_form:
                 raise ConfigError(f"{path} is a setting, not a section: {key} names nothing")
             choices = _enum_of(hint)
-            if choices is not None and "${" not in value and value not in ("null", *(m.value for m in choices)):
+            if choices is not None and "${" not in value and value not in ("null", *(
+                    m.value for m in choices)):
                 _choice(choices, value, path)
             return
 
 
-def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults: Sequence[str] = (),
+def hydra_app(config_name: str, kind: type, run: Callable[[Any], None],
+              defaults: Sequence[str] = (),
               program: str = "") -> None:
     """Run ``run(config)`` as a Hydra app over `CONFIG_DIR`, ``config`` built as ``kind``.
 
     ``defaults`` are ``key=value`` overrides applied unless the command line sets that key
     (an experiment's own default experiment, say). ``--help`` prints every setting of
-    ``kind`` (Hydra's own help: ``--hydra-help``), under the name ``program``. A configuration error exits with code 2
-    and one line on stderr, a `RunError` with code 1 and one line.
+    ``kind`` (Hydra's own help: ``--hydra-help``), under the name ``program``. A configuration
+    error exits with code 2 and one line on stderr, a `RunError` with code 1 and one line.
     """
     import hydra
 
@@ -345,7 +355,8 @@ def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults
         if not any(arg.startswith(key) for arg in sys.argv[1:]):
             sys.argv.append(default)
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
-        print(f"{program or Path(sys.argv[0]).name} [key=value ...]  (Hydra overrides; --hydra-help for Hydra's options)\n")
+        print(f"{program or Path(sys.argv[0]).name} [key=value ...]  (Hydra overrides; "
+              "--hydra-help for Hydra's options)\n")
         print("\n".join(describe(kind)))
         return
     try:
@@ -358,7 +369,8 @@ def hydra_app(config_name: str, kind: type, run: Callable[[Any], None], defaults
     def app(cfg) -> None:
         try:
             config = build(kind, cfg)
-            validate(config)  # every app fails here on a bad key or a missing package, before compute
+            # every app fails here on a bad key or a missing package, before compute
+            validate(config)
             run(config)
         except (ConfigError, FileNotFoundError) as error:
             print(f"selfcest: configuration error: {error}", file=sys.stderr)

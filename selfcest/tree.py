@@ -171,6 +171,9 @@ class CloneTree:
     discarded_tokens: int = 0
 
     ROOT_ID = "0"
+    # The info key under which scoring lists the clones the reward found malformed
+    # (`RewardResult.malformed`) and which the advantages' malformed gate reads.
+    MALFORMED_KEY = "malformed_nodes"
 
     @property
     def root(self) -> Node:

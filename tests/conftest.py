@@ -36,8 +36,10 @@ def spawning_policy(demo_task) -> ClonePolicy:
         (root, [("sampled", enc("<spawn>sum @L1<sep>sum @L2</spawn>")),
                 ("return", enc("<return>3<sep>7</return>")),
                 ("sampled", enc("Answer: 10<|im_end|>"))]),
-        (p.clone_prompt(SpawnRequest("sum @L1", ("L1",)), DEMO_CONTEXT), [("sampled", enc("Answer: 3<|im_end|>"))]),
-        (p.clone_prompt(SpawnRequest("sum @L2", ("L2",)), DEMO_CONTEXT), [("sampled", enc("Answer: 7<|im_end|>"))]),
+        (p.clone_prompt(SpawnRequest("sum @L1", ("L1",)), DEMO_CONTEXT),
+         [("sampled", enc("Answer: 3<|im_end|>"))]),
+        (p.clone_prompt(SpawnRequest("sum @L2", ("L2",)), DEMO_CONTEXT),
+         [("sampled", enc("Answer: 7<|im_end|>"))]),
     ]
     loss = overfit(policy, traces)
     assert loss < 0.05, f"the demo policy did not learn its traces (loss {loss:.3f})"

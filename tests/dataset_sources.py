@@ -24,8 +24,10 @@ def write_aime(path: Path, n: int = 20, answer: str = "7") -> None:
         writer.writerow(["ID", "Year", "Problem Number", "Question", "Answer", "Part"])
         for i in range(n):
             year, part, number = (1990 + i, "", 1) if i % 2 else (2000 + i, "II", 15)
-            writer.writerow([f"{year}-{part}-{number}" if part else f"{year}-{number}", year, number,
-                             f"Find $x$ such that $x + {i} = {i} + 7$ (problem {i}).", answer, part])
+            writer.writerow([f"{year}-{part}-{number}" if part else f"{year}-{number}", year,
+                             number,
+                             f"Find $x$ such that $x + {i} = {i} + 7$ (problem {i}).", answer,
+                             part])
 
 
 def write_math_hard(root: Path, n: int = 4, answer: str = "7") -> None:
@@ -39,7 +41,8 @@ def write_math_hard(root: Path, n: int = 4, answer: str = "7") -> None:
                  "solution": f"First $\\boxed{{3}}$ is wrong; adding gives $\\boxed{{{answer}}}$."}
                 for i in range(n)]
         (folder / "algebra.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        geometry = [{**r, "type": "Geometry", "problem": r["problem"] + " (a triangle)"} for r in rows]
+        geometry = [{**r, "type": "Geometry", "problem": r["problem"] + " (a triangle)"}
+                    for r in rows]
         (folder / "geometry.json").write_text(json.dumps(geometry))
 
 
@@ -78,7 +81,8 @@ def musique_record(i: int, answer: str = "7") -> dict:
              "is_supporting": True},
             {"idx": 1, "title": f"County {i}", "paragraph_text": f"County {i} has {answer} lakes.",
              "is_supporting": True},
-            {"idx": 2, "title": "Elsewhere", "paragraph_text": "Unrelated text.", "is_supporting": False},
+            {"idx": 2, "title": "Elsewhere", "paragraph_text": "Unrelated text.",
+             "is_supporting": False},
         ],
         "question": f"How many lakes has the county of Town {i}?",
         "question_decomposition": [
@@ -94,7 +98,8 @@ def musique_record(i: int, answer: str = "7") -> dict:
 
 
 def write_musique(path: Path, n: int = 8, answer: str = "7", start: int = 0) -> None:
-    path.write_text("".join(json.dumps(musique_record(i, answer)) + "\n" for i in range(start, start + n)))
+    path.write_text("".join(json.dumps(musique_record(i, answer)) + "\n"
+                            for i in range(start, start + n)))
 
 
 def write_downloads(folder: Path, answer: str = "7") -> None:

@@ -13,13 +13,15 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from selfcest.policy import ClonePolicy, forward_logprobs
+from selfcest.modeling import forward_logprobs
+from selfcest.policy import ClonePolicy
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONTEXT = {"L1": "1 2", "L2": "3 4"}
 
 
-def overfit(policy: ClonePolicy, traces: list[tuple[list[int], list[tuple[str, list[int]]]]], steps: int = 150):
+def overfit(policy: ClonePolicy, traces: list[tuple[list[int], list[tuple[str, list[int]]]]],
+            steps: int = 150):
     """Train ``policy`` in place to reproduce ``traces`` (prompt ids, [(kind, ids), ...]);
     loss on ``sampled`` pieces only. A few seconds on a tiny model."""
     rows = []
@@ -107,7 +109,8 @@ def shell(command: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
     """
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = {"OMP_NUM_THREADS": "1", **os.environ, "PATH": path, "PYTHONPATH": str(REPO)}
-    return subprocess.run(["bash", "-c", command], check=False, cwd=cwd, env=env, capture_output=True, text=True,
+    return subprocess.run(["bash", "-c", command], check=False, cwd=cwd, env=env,
+                          capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -116,20 +119,27 @@ def shell(command: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
 # every 2 steps; the reward of tests/train/faulty_reward.py, which can meet a fault on purpose.
 # Trees of 24 tokens give every group's rewards some variance, so every step updates.
 FAULTY_RUN = ["model=tiny", "trainer.steps=4", "trainer.save_every=2", "trainer.prompts_per_step=2",
-              "trainer.trees_per_prompt=4", "trainer.lr=1e-2", "trainer.schedule=cosine", "trainer.warmup_steps=1",
-              "rollout.budget.node_generation=24", "rollout.budget.tree_generation=64", "log.progress=false",
+              "trainer.trees_per_prompt=4", "trainer.lr=1e-2", "trainer.schedule=cosine",
+              "trainer.warmup_steps=1",
+              "rollout.budget.node_generation=24", "rollout.budget.tree_generation=64",
+              "log.progress=false",
               "log.trees_every=0", f"task.reward={REPO / 'tests/train/faulty_reward.py'}:digits"]
 REWARD_CALLS_PER_STEP = 8
 
 
-def faulty_run(out: Path, *overrides: str, fault: str | None = None, at_step: int = 1, env: dict | None = None,
+def faulty_run(out: Path, *overrides: str, fault: str | None = None, at_step: int = 1, env: dict
+               | None = None,
                timeout: int = 120, preexec_fn=None) -> subprocess.CompletedProcess:
     """``python -m selfcest.train`` of `FAULTY_RUN` into ``out``; with ``fault`` (see
     faulty_reward.py), met at the first reward call of step ``at_step``. A few seconds."""
-    extra = {"FAULT": fault, "FAULT_AT_CALL": str((at_step - 1) * REWARD_CALLS_PER_STEP + 1)} if fault else {}
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "selfcest.train", *FAULTY_RUN, f"trainer.output_dir={out}",
-                           *overrides], env=environment, capture_output=True, text=True, timeout=timeout,
+    extra = ({"FAULT": fault, "FAULT_AT_CALL": str((at_step - 1) * REWARD_CALLS_PER_STEP + 1)}
+             if fault else {})
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra,
+                   **(env or {})}
+    return subprocess.run([sys.executable, "-m", "selfcest.train", *FAULTY_RUN,
+                           f"trainer.output_dir={out}",
+                           *overrides], env=environment, capture_output=True, text=True,
+                          timeout=timeout,
                           preexec_fn=preexec_fn)
 
 
@@ -152,7 +162,8 @@ PR_CAPBSET_DROP, CAP_DAC_OVERRIDE = 24, 1  # <linux/prctl.h>, <linux/capability.
 # held-out tasks. The group size stays the configs' (the paper's 4 trees), so groups hold
 # both rewards of the stand-in.
 README_MODEL = "/path/to/model"
-SMALL_RUN = ("trainer.steps=1", "trainer.eval_every=1", "trainer.prompts_per_step=2", "task.eval_size=2")
+SMALL_RUN = ("trainer.steps=1", "trainer.eval_every=1", "trainer.prompts_per_step=2",
+             "task.eval_size=2")
 
 
 def write_stand_in(folder: Path, size: str = "tiny") -> None:

@@ -39,7 +39,8 @@ def test_allowance_bounds_every_call():
 
 
 def test_clone_pools_keep_a_share_for_the_parent():
-    # 100 tokens left, 3 clones: shares of 100 // 4 = 25; a request for 10 is honoured, 40 is clamped
+    # 100 tokens left, 3 clones: shares of 100 // 4 = 25; a request for 10 is honoured, 40 is
+    # clamped
     assert clone_pools(100, [None, 10, 40]) == [25, 10, 25]
     assert clone_pools(100, []) == []
 

@@ -84,8 +84,10 @@ def test_grpo_plain_is_the_textbook_group_normalised_token_mean_grpo():
     expected = [(r - 0.5) / (std + 1e-4) for r in [1.0, 0.0, 0.5, 0.5]] + [0.0] * 4
     assert [a["0"] for a in advantages.per_tree] == pytest.approx(expected)
     assert all(advantages.keep)
-    assert aggregation_weights([3, 1, 4], [0, 0, 1], algo.loss.aggregation) == pytest.approx([1 / 8] * 3)
-    assert (algo.loss.kl_coef, algo.loss.clip_low, algo.loss.clip_high, algo.loss.dual_clip) == (0, 0.2, 0.2, None)
+    assert aggregation_weights([3, 1, 4], [0, 0, 1],
+                               algo.loss.aggregation) == pytest.approx([1 / 8] * 3)
+    assert (algo.loss.kl_coef, algo.loss.clip_low, algo.loss.clip_high,
+            algo.loss.dual_clip) == (0, 0.2, 0.2, None)
 
 
 @pytest.mark.parametrize(
@@ -93,12 +95,15 @@ def test_grpo_plain_is_the_textbook_group_normalised_token_mean_grpo():
     [
         ("rollout.budget.node_context=0", "rollout.budget.node_context must be >= 1"),
         ("rollout.budget.node_generation=5000", "rollout.budget.node_generation (5000) exceeds"),
-        ("algo.credit.strategy=magic", "algo.credit.strategy must be one of broadcast, ratio, sibling, "
-                                       "counterfactual; got 'magic'"),
-        ("rollout.budget.node_generation=0", "rollout.budget.node_generation must be >= 1, got 0"),  # max_tokens 0
+        ("algo.credit.strategy=magic", "algo.credit.strategy must be one of broadcast, ratio, "
+                                       "sibling, counterfactual; got 'magic'"),
+        # max_tokens 0
+        ("rollout.budget.node_generation=0", "rollout.budget.node_generation must be >= 1, got 0"),
         ("trainer.trees_per_prompt=-4", "trainer.trees_per_prompt must be >= 2"),
-        ("task.reward_timeout_s=0", "task.reward_timeout_s must be a number of seconds > 0, or null; got 0"),
-        ("trainer.max_nonfinite_updates=0", "trainer.max_nonfinite_updates must be a number >= 1; got 0"),
+        ("task.reward_timeout_s=0",
+         "task.reward_timeout_s must be a number of seconds > 0, or null; got 0"),
+        ("trainer.max_nonfinite_updates=0",
+         "trainer.max_nonfinite_updates must be a number >= 1; got 0"),
         ("algo.loss.clip_low=1.5", "algo.loss.clip_low must be < 1"),
         ("model=hf", "model.name is required"),
         ("model.name=/no/such/model", "model.name must be one of"),
@@ -137,8 +142,10 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_train_cli_runs_and_config_errors_exit_2(tmp_path):
-    ok = run_cli("trainer.steps=1", "trainer.prompts_per_step=2", f"trainer.output_dir={tmp_path}/run",
-                 "log.progress=false", "rollout.budget.node_generation=8", "rollout.budget.tree_generation=16",
+    ok = run_cli("trainer.steps=1", "trainer.prompts_per_step=2",
+                 f"trainer.output_dir={tmp_path}/run",
+                 "log.progress=false", "rollout.budget.node_generation=8",
+                 "rollout.budget.tree_generation=16",
                  cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert (tmp_path / "run" / "metrics.jsonl").exists()
@@ -147,8 +154,9 @@ def test_train_cli_runs_and_config_errors_exit_2(tmp_path):
     assert "configuration error: rollout.budget.node_context must be >= 1" in bad.stderr
     typo = run_cli("trainer.stpes=3", f"trainer.output_dir={tmp_path}/typo", cwd=tmp_path)
     assert typo.returncode == 2 and typo.stderr.count("\n") == 1, typo.stderr
-    assert typo.stderr.startswith("selfcest: configuration error: unknown key trainer.stpes (did you mean "
-                                  "trainer.steps?); the keys of trainer: betas, collective_timeout_s, cpu_threads, ")
+    assert typo.stderr.startswith("selfcest: configuration error: unknown key trainer.stpes (did "
+                                  "you mean trainer.steps?); the keys of trainer: betas, "
+                                  "collective_timeout_s, cpu_threads, ")
     assert not (tmp_path / "typo").exists()  # stopped before Hydra made the folder
 
 
@@ -181,15 +189,21 @@ def task_config(tmp_path, *overrides: str):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["+task.params.split=train"], "task.params.split: task source 'jsonl' takes no 'split' (it takes path, max_line_bytes); remove it"),
-        (["+task.eval_params.split=test"], "task.eval_params.split: task source 'jsonl' takes no 'split'"),
-        (["task.params.path=/no/such.jsonl"], "task.params.path: no file or folder '/no/such.jsonl'"),
-        (["task=arithmetic", "task.params.n_train=abc"], "task.params.n_train must be int; got 'abc'"),
-        (["task=arithmetic", "+task.eval_params.seed=1.5"], "task.eval_params.seed must be int; got 1.5"),
+        (["+task.params.split=train"], "task.params.split: task source 'jsonl' takes no 'split' "
+                                       "(it takes path, max_line_bytes); remove it"),
+        (["+task.eval_params.split=test"],
+         "task.eval_params.split: task source 'jsonl' takes no 'split'"),
+        (["task.params.path=/no/such.jsonl"],
+         "task.params.path: no file or folder '/no/such.jsonl'"),
+        (["task=arithmetic", "task.params.n_train=abc"],
+         "task.params.n_train must be int; got 'abc'"),
+        (["task=arithmetic", "+task.eval_params.seed=1.5"],
+         "task.eval_params.seed must be int; got 1.5"),
         (["task.name=nope"], "task.name must be one of keyed_sum, arithmetic"),
         (["task=mixed", "task.params.sources.math_hard.params.path=/no/such.jsonl"],
          "task.params.sources.math_hard.params.path: no file or folder"),
-        (["task=mixed", "task.params.sources.aime.repeat=0"], "task.params.sources.aime.repeat must be a whole number >= 1"),
+        (["task=mixed", "task.params.sources.aime.repeat=0"],
+         "task.params.sources.aime.repeat must be a whole number >= 1"),
         (["task=mixed", "+task.params.sources.aime.params.split=train"],
          "task.params.sources.aime.params.split: task source 'jsonl' takes no 'split'"),
     ],
@@ -206,17 +220,20 @@ def test_a_task_file_that_cannot_be_read_names_its_key(tmp_path):
     config = task_config(tmp_path, "task=jsonl", f"task.eval_params.path={tmp_path / 'bad.jsonl'}")
     validate(config)
     assert load_split(config.task, "train")[0].answer == "7"
-    with pytest.raises(ConfigError, match=r"task.eval_params \(jsonl\): .*bad.jsonl line 1: missing fields"):
+    with pytest.raises(ConfigError,
+                       match=r"task.eval_params \(jsonl\): .*bad.jsonl line 1: missing fields"):
         load_split(config.task, "eval")
     config = train_config("task=keyed_sum", "task.eval_params.split=dev")
-    with pytest.raises(ConfigError, match=r"task.eval_params \(keyed_sum\): split must be one of train, test, ood"):
+    with pytest.raises(ConfigError, match=r"task.eval_params \(keyed_sum\): split must be one of "
+                                          r"train, test, ood"):
         load_split(config.task, "eval")
 
 
 def test_the_command_line_turns_a_groups_ood_split_off_with_null():
     """{} would merge into the group's overrides and keep the split; null removes it."""
     assert held_out_splits(train_config("experiment=smollm_chain_sum").task) == ["eval", "ood"]
-    assert held_out_splits(train_config("experiment=smollm_chain_sum", "task.ood_params={}").task) == ["eval", "ood"]
+    assert held_out_splits(train_config("experiment=smollm_chain_sum",
+                                        "task.ood_params={}").task) == ["eval", "ood"]
     config = train_config("experiment=smollm_chain_sum", "task.ood_params=null")
     validate(config)
     assert held_out_splits(config.task) == ["eval"]

@@ -13,7 +13,15 @@ from hydra.core.global_hydra import GlobalHydra
 
 from selfcest.budget import Budget
 from selfcest.cli import register_schemas
-from selfcest.configure import CONFIG_DIR, ConfigError, build, check_overrides, compose, describe, validate
+from selfcest.configure import (
+    CONFIG_DIR,
+    ConfigError,
+    build,
+    check_overrides,
+    compose,
+    describe,
+    validate,
+)
 from selfcest.eval.config import EvalConfig
 from selfcest.train.config import ProtocolName, TrainConfig
 
@@ -43,7 +51,8 @@ def test_choices_given_as_strings_become_enum_members_or_fail_with_the_choices()
     validate(config)
     assert config.model.protocol is ProtocolName.tool
     config.model.protocol = "morse"
-    with pytest.raises(ConfigError, match=r"^model\.protocol must be one of token, tool, none; got 'morse'"):
+    with pytest.raises(ConfigError,
+                       match=r"^model\.protocol must be one of token, tool, none; got 'morse'"):
         validate(config)
 
 
@@ -51,7 +60,8 @@ def test_cross_section_checks_name_both_keys():
     config = TrainConfig()
     config.algo.credit.strategy = "sibling"
     config.rollout.budget.max_depth = 0
-    with pytest.raises(ConfigError, match=r"algo\.credit\.strategy=sibling needs clones.*max_depth=0"):
+    with pytest.raises(ConfigError,
+                       match=r"algo\.credit\.strategy=sibling needs clones.*max_depth=0"):
         validate(config)
 
 
@@ -62,8 +72,9 @@ def test_protocol_none_composes_and_refuses_credit_that_needs_clones():
     config = compose("train", ["model.protocol=none", "algo=grpo_plain"], TrainConfig)
     assert config.model.protocol is ProtocolName.none and config.rollout.budget.max_depth > 0
     config.algo.credit.strategy = "counterfactual"
-    with pytest.raises(ConfigError, match=r"^algo\.credit\.strategy=counterfactual needs clones, but "
-                                          r"model\.protocol=none .*use algo\.credit\.strategy=broadcast"):
+    with pytest.raises(ConfigError, match=r"^algo\.credit\.strategy=counterfactual needs clones, "
+                                          r"but model\.protocol=none .*use "
+                                          r"algo\.credit\.strategy=broadcast"):
         validate(config)
 
 
@@ -71,7 +82,8 @@ def leaves(kind: type, path: str = ""):
     hints = typing.get_type_hints(kind)
     for f in dataclasses.fields(kind):
         yield f"{path}{f.name}", f
-        inner = [t for t in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(t)]
+        inner = [t for t in (hints[f.name], *typing.get_args(hints[f.name]))
+                 if dataclasses.is_dataclass(t)]
         if inner:
             yield from leaves(inner[0], f"{path}{f.name}.")
 
@@ -89,8 +101,10 @@ def test_selfcest_train_help_prints_every_key():
                             text=True, cwd=CONFIG_DIR.parent, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("selfcest-train [key=value ...]")
-    assert "\nrollout.budget.node_context (int, default 1024): tokens one node's context may hold" in result.stdout
-    assert "\nalgo.loss.aggregation (token_mean | seq_mean_token_mean | tree_mean, default 'tree_mean')" in result.stdout
+    assert ("\nrollout.budget.node_context (int, default 1024): tokens one node's context may "
+            "hold") in result.stdout
+    assert ("\nalgo.loss.aggregation (token_mean | seq_mean_token_mean | tree_mean, default "
+            "'tree_mean')") in result.stdout
 
 
 def test_compose_works_inside_a_running_hydra_app():
@@ -104,12 +118,14 @@ def test_compose_works_inside_a_running_hydra_app():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("trainer.stpes=3", "unknown key trainer.stpes (did you mean trainer.steps?); the keys of trainer: betas, "),
+    ("trainer.stpes=3",
+     "unknown key trainer.stpes (did you mean trainer.steps?); the keys of trainer: betas, "),
     ("+trainer.stpes=3", "unknown key trainer.stpes (did you mean trainer.steps?)"),
     ("rollout.budgt.node_generation=0", "unknown key rollout.budgt (did you mean rollout.budget?)"),
-    ("trainer.steps.x=1", "trainer.steps is a setting, not a section: trainer.steps.x names nothing"),
-    ("algo.loss.aggregation=sum", "algo.loss.aggregation must be one of token_mean, seq_mean_token_mean, "
-                                  "tree_mean; got 'sum'"),
+    ("trainer.steps.x=1",
+     "trainer.steps is a setting, not a section: trainer.steps.x names nothing"),
+    ("algo.loss.aggregation=sum", "algo.loss.aggregation must be one of token_mean, "
+                                  "seq_mean_token_mean, tree_mean; got 'sum'"),
 ])
 def test_a_typo_on_the_command_line_names_the_key_and_what_it_may_be(override, message):
     with pytest.raises(ConfigError) as error:
@@ -118,6 +134,8 @@ def test_a_typo_on_the_command_line_names_the_key_and_what_it_may_be(override, m
 
 
 def test_groups_hydra_keys_free_form_mappings_and_interpolations_pass_to_hydra():
-    check_overrides(TrainConfig, ["model=tiny", "experiment=cpu_repro", "hydra.verbose=true", "--multirun",
-                                  "task.params.n_train=4", "+task.params.anything.deep=1", "eval.budgets=[1,2]",
-                                  "algo.credit.strategy=${oc.env:STRATEGY}", "model.lora=null", "trainer.schedule=cosine"])
+    check_overrides(TrainConfig,
+                    ["model=tiny", "experiment=cpu_repro", "hydra.verbose=true", "--multirun",
+                     "task.params.n_train=4", "+task.params.anything.deep=1", "eval.budgets=[1,2]",
+                     "algo.credit.strategy=${oc.env:STRATEGY}", "model.lora=null",
+                     "trainer.schedule=cosine"])

@@ -59,7 +59,8 @@ def graph() -> tuple[dict[str, set[str]], list[str]]:
             if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for node in ast.walk(func):
                     if isinstance(node, (ast.Import, ast.ImportFrom)):
-                        inside += [f"{name}:{node.lineno} {t}" for t in imported(node, name, is_package)]
+                        inside += [f"{name}:{node.lineno} {t}"
+                                   for t in imported(node, name, is_package)]
     return edges, inside
 
 
@@ -67,7 +68,8 @@ def _resolve(target: str, node, modules) -> set[str]:
     """The selfcest modules an import statement loads (``from pkg import submodule`` too)."""
     found = {target} if target in modules else set()
     if isinstance(node, ast.ImportFrom):
-        found |= {f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in modules}
+        found |= {f"{target}.{alias.name}" for alias in node.names
+                  if f"{target}.{alias.name}" in modules}
     return found
 
 

@@ -9,15 +9,13 @@ import pytest
 import torch
 
 from selfcest.budget import Budget
+from selfcest.modeling import forward_logprobs, set_activation_checkpointing, takes_logits_to_keep
 from selfcest.policy import (
     ClonePolicy,
     LoraSettings,
     add_protocol_tokens,
     apply_lora,
     build_tokenizer,
-    forward_logprobs,
-    set_activation_checkpointing,
-    takes_logits_to_keep,
 )
 from selfcest.protocol import TokenProtocol, ToolCallProtocol
 from selfcest.rollout.backends.base import SamplingParams
@@ -30,7 +28,8 @@ def test_build_tiny_is_seeded_and_sized():
     a, b = ClonePolicy.build_tiny(seed=3), ClonePolicy.build_tiny(seed=3)
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
     small = ClonePolicy.build_tiny(seed=3, size="small")
-    assert sum(p.numel() for p in small.model.parameters()) > sum(p.numel() for p in a.model.parameters())
+    assert sum(p.numel()
+               for p in small.model.parameters()) > sum(p.numel() for p in a.model.parameters())
     for token in TokenProtocol.required_tokens + ToolCallProtocol.required_tokens:
         assert len(a.tokenizer.encode(token, add_special_tokens=False)) == 1
     with pytest.raises(ValueError, match="size must be one of"):
@@ -100,7 +99,8 @@ def test_protocol_none_adds_no_token(tmp_path):
     tokenizer.save_pretrained(tmp_path / "hf")
     loaded = ClonePolicy.from_pretrained(tmp_path / "hf", protocol="none")
     assert len(loaded.tokenizer) == len(tokenizer)
-    assert torch.equal(loaded.model.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    assert torch.equal(loaded.model.get_input_embeddings().weight,
+                       model.get_input_embeddings().weight)
     engine = loaded.engine(Budget(node_generation=32, tree_generation=32), SamplingParams(), seed=1)
     trees = engine.rollout([Task("t", "Sum 1 2.", "3")], samples_per_task=32)
     sampled = [i for t in trees for s in t.root.segments for i in s.token_ids]
@@ -120,7 +120,8 @@ def test_lora_policy_trains_only_the_adapter_and_saves_merged(demo_task, tmp_pat
     lora = ClonePolicy.from_pretrained(tmp_path / "base", lora={"r": 4, "alpha": 8})
     trainable = [n for n, p in lora.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n or "trainable_tokens" in n for n in trainable)
-    tree = lora.solve(demo_task, sampling=GREEDY, budget=Budget(node_generation=8, tree_generation=8))
+    tree = lora.solve(demo_task, sampling=GREEDY,
+                      budget=Budget(node_generation=8, tree_generation=8))
     # It decoded with the adapter: the logprobs it sampled with are the LoRA model's.
     segment, start = tree.root.segments[0], len(tree.root.prompt_ids) - 1
     assert segment.kind == "sampled" and segment.token_ids
@@ -197,7 +198,8 @@ def grouped_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     followed by a completion of its own length, rows in mixed order."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (7, 9, 7)]
-    rows = [prompts[i % 3] + torch.randint(3, vocab, (4 + i,), generator=generator).tolist() for i in range(9)]
+    rows = [prompts[i % 3] + torch.randint(3, vocab, (4 + i,), generator=generator).tolist()
+            for i in range(9)]
     ids = torch.zeros((len(rows), max(map(len, rows))), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, row in enumerate(rows):
@@ -218,7 +220,8 @@ def tiny_llama():
 
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
@@ -229,7 +232,8 @@ def test_a_shared_prompt_runs_once_and_trains_as_one_pass(tiny_policy, family):
     model.train()
     ids, mask = grouped_rows(100)
     rows_seen = []
-    hook = model.register_forward_pre_hook(lambda _, args, kwargs: rows_seen.append(len(kwargs["input_ids"])),
+    hook = model.register_forward_pre_hook(lambda _, args,
+                                           kwargs: rows_seen.append(len(kwargs["input_ids"])),
                                            with_kwargs=True)
     plain_logp, plain_logits, plain_grads = logprobs_and_gradients(model, ids, mask)
     logp, logits, grads = logprobs_and_gradients(model, ids, mask, share_prefix=True)
@@ -252,7 +256,8 @@ def test_a_shared_prompt_is_not_shared_where_the_cache_would_be_lost(tiny_policy
     plain_logp, _, _ = logprobs_and_gradients(model, ids, mask)
     set_activation_checkpointing(model)
     rows_seen = []
-    hook = model.register_forward_pre_hook(lambda _, args, kwargs: rows_seen.append(len(kwargs["input_ids"])),
+    hook = model.register_forward_pre_hook(lambda _, args,
+                                           kwargs: rows_seen.append(len(kwargs["input_ids"])),
                                            with_kwargs=True)
     logp, _, _ = logprobs_and_gradients(model, ids, mask, share_prefix=True)
     assert torch.allclose(logp, plain_logp, atol=1e-5)

@@ -38,15 +38,23 @@ register_schemas()
 # Each heading of the user pages with fenced blocks: their languages in order ("" for a
 # block that is not commands), and the tests that cover them.
 COVERED = {
-    ("README.md", "## Quickstart"): ["bash"],  # test_quickstart_make_targets_run_what_the_readme_says
-    ("README.md", "### RL decides when to delegate, and the decision follows the cost"): ["bash"],  # test_controller_lines_*
-    ("README.md", "### A real pretrained model: SmolLM2-135M-Instruct"): ["bash"],  # experiments/test_smollm.py (slow)
-    ("README.md", "## In a notebook"): ["python"],  # test_notebook_snippet_prints_an_answer_a_tree_and_costs
+    # test_quickstart_make_targets_run_what_the_readme_says
+    ("README.md", "## Quickstart"): ["bash"],
+    # test_controller_lines_* (slow)
+    ("README.md", "### RL decides when to delegate, and the decision follows the cost"): ["bash"],
+    # experiments/test_smollm.py (slow)
+    ("README.md", "### A real pretrained model: SmolLM2-135M-Instruct"): ["bash"],
+    # test_notebook_snippet_prints_an_answer_a_tree_and_costs
+    ("README.md", "## In a notebook"): ["python"],
     ("docs/architecture.md", "## How it works"): [""],  # a diagram
-    ("docs/training.md", "## Training"): ["bash"],  # test_training_*, test_cpu_repro_training_lines_* (paper)
-    ("docs/training.md", "## Evaluation and traces"): ["bash"],  # test_eval_line_writes_the_trees_the_view_line_renders
-    ("docs/training.md", "## Scaling out"): ["bash"],  # test_scaling_out_line_composes_and_validates_but_is_not_run
-    ("docs/paper_runs.md", "## Reproducing the paper's runs"): ["bash", "bash"],  # experiments/test_paper_experiments.py
+    # test_training_*, test_cpu_repro_training_lines_* (paper)
+    ("docs/training.md", "## Training"): ["bash"],
+    # test_eval_line_writes_the_trees_the_view_line_renders
+    ("docs/training.md", "## Evaluation and traces"): ["bash"],
+    # test_scaling_out_line_composes_and_validates_but_is_not_run
+    ("docs/training.md", "## Scaling out"): ["bash"],
+    # experiments/test_paper_experiments.py
+    ("docs/paper_runs.md", "## Reproducing the paper's runs"): ["bash", "bash"],
     ("docs/paper_runs.md", "### Your own data"): ["bash"],  # experiments/test_paper_experiments.py
     ("docs/development.md", "## Development"): ["bash"],  # test_development_*, test_*_benchmark_*
     ("docs/development.md", "### Against TRL"): ["bash"],  # benchmarks/test_vs_trl.py (marked trl)
@@ -77,7 +85,8 @@ def test_every_block_of_the_user_pages_is_covered_by_a_test():
 def test_the_readme_is_short_and_every_page_of_the_docs_is_indexed():
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
     index = (REPO / "docs/README.md").read_text()
-    assert all(f"]({page.name})" in index for page in (REPO / "docs").glob("*.md") if page.name != "README.md")
+    pages = [page.name for page in (REPO / "docs").glob("*.md") if page.name != "README.md"]
+    assert all(f"]({name})" in index for name in pages)
 
 
 def ok(command: str, cwd) -> subprocess.CompletedProcess:
@@ -100,7 +109,8 @@ def make_dry_run(target: str) -> str:
     """The last command ``make <target>`` would run (after the install it may need first)."""
     # Run from `make test` itself, make would add "Entering/Leaving directory" lines.
     env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
-    done = subprocess.run(["make", "-n", "--no-print-directory", target], cwd=REPO, capture_output=True,
+    done = subprocess.run(["make", "-n", "--no-print-directory", target], cwd=REPO,
+                          capture_output=True,
                           text=True, check=True, env=env)
     return done.stdout.splitlines()[-1]
 
@@ -116,9 +126,10 @@ def test_quickstart_make_targets_run_what_the_readme_says():
         ["-m", "selfcest.experiments.controller_sweep", "--config-name", "controller_main"]]
     assert cpu_repro.DEFAULT_EXPERIMENT == "cpu_repro"
     driver = ast.parse((REPO / "tests/experiments/test_cpu_repro.py").read_text())
-    imported = {alias.name for node in driver.body if isinstance(node, ast.ImportFrom)
-                and node.module == "selfcest.experiments.cpu_repro" for alias in node.names}
-    assert {"compose", "run"} <= imported
+    imported = {(node.module, alias.name) for node in driver.body
+                if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert {("selfcest.experiments.common", "compose"),
+            ("selfcest.experiments.cpu_repro", "run")} <= imported
     assert make_dry_run("test") == ".venv/bin/python -m pytest -q"
 
 
@@ -126,7 +137,8 @@ def test_quickstart_make_targets_run_what_the_readme_says():
 
 (NOTEBOOK,) = readme_blocks("## In a notebook", "python")
 SAVED = 'ClonePolicy.from_pretrained("runs/cpu_repro/clones/policy")'
-SNIPPETS = {"as written": NOTEBOOK, "build_tiny": NOTEBOOK.replace(SAVED, "ClonePolicy.build_tiny()")}
+SNIPPETS = {"as written": NOTEBOOK,
+            "build_tiny": NOTEBOOK.replace(SAVED, "ClonePolicy.build_tiny()")}
 
 
 @pytest.mark.parametrize("variant", SNIPPETS)
@@ -146,7 +158,8 @@ def test_notebook_snippet_prints_an_answer_a_tree_and_costs(variant, tmp_path, m
 
 # ----------------------------------------------------------------------------- Training
 
-DEFAULTS, GROUPS, CPU_REPRO, RESUME, SAME, SFT, FROM_SFT, HELP = commands(readme_blocks("## Training")[0])
+DEFAULTS, GROUPS, CPU_REPRO, RESUME, SAME, SFT, FROM_SFT, HELP = commands(
+    readme_blocks("## Training")[0])
 SMALL = ("trainer.steps=1", "trainer.prompts_per_step=2", "warm_start.sft.steps=2")
 
 
@@ -200,7 +213,8 @@ def test_cpu_repro_training_lines_warm_start_save_it_and_train_from_it(tmp_path)
     warm_started = (run / "sft.jsonl").stat().st_mtime_ns
     ok(small(FROM_SFT), tmp_path)
     assert (run / "sft.jsonl").stat().st_mtime_ns == warm_started  # no new warm start
-    assert json.loads((run / "config.json").read_text())["warm_start"]["policy"] == "runs/cpu_repro/sft"
+    assert json.loads(
+        (run / "config.json").read_text())["warm_start"]["policy"] == "runs/cpu_repro/sft"
 
 
 # ----------------------------------------------------------------------------- Evaluation
@@ -257,7 +271,8 @@ def test_scaling_out_line_composes_and_validates_but_is_not_run(command, tmp_pat
 # ----------------------------------------------------------------------------- Development
 
 DEVELOPMENT = commands(readme_blocks("## Development")[0])
-ROLLOUT_BENCH, STEP_BENCH, ROOFLINE_BENCH, CACHE_BENCH = [c for c in DEVELOPMENT if c.startswith("python benchmarks/")]
+ROLLOUT_BENCH, STEP_BENCH, ROOFLINE_BENCH, CACHE_BENCH = [c for c in DEVELOPMENT
+                                                          if c.startswith("python benchmarks/")]
 
 
 def test_development_test_lines_use_declared_markers_and_existing_paths(pytestconfig):
@@ -273,37 +288,45 @@ def test_development_test_lines_use_declared_markers_and_existing_paths(pytestco
 
 def test_rollout_benchmark_runs_on_a_tiny_saved_policy(tmp_path):
     ClonePolicy.build_tiny(seed=0).save_pretrained(tmp_path / "policy")
-    printed = ok(f"{ROLLOUT_BENCH} --policy {tmp_path / 'policy'} --tasks 2 --repeats 1", REPO).stdout
+    printed = ok(f"{ROLLOUT_BENCH} --policy {tmp_path / 'policy'} --tasks 2 --repeats 1",
+                 REPO).stdout
     assert "trees / flat =" in printed and "without the prefix cache" in printed
-    assert re.search(r"^flat: 1 batches, \d+ forward passes, \d+ prefilled tokens", printed, re.MULTILINE)
-    assert re.search(r"^trees, no prefix cache: .* 0 taken from the prefix cache", printed, re.MULTILINE)
+    assert re.search(r"^flat: 1 batches, \d+ forward passes, \d+ prefilled tokens", printed,
+                     re.MULTILINE)
+    assert re.search(r"^trees, no prefix cache: .* 0 taken from the prefix cache", printed,
+                     re.MULTILINE)
 
 
 def test_train_step_benchmark_runs_at_its_smallest():
     printed = ok(f"{STEP_BENCH} --sizes tiny --steps 1 --repeats 1 --trees 4", REPO).stdout
     for name in ("rows, overhead 512", "rows, overhead 32", "packed"):
-        assert f"padding_frac ({name})" in printed and f"ratio to rows, overhead 512 ({name})" in printed
+        assert f"padding_frac ({name})" in printed
+        assert f"ratio to rows, overhead 512 ({name})" in printed
     assert "efficiency (limit / update, rows, overhead 32)" in printed
 
 
 def test_roofline_benchmark_runs_at_its_smallest():
     printed = ok(f"{ROOFLINE_BENCH} --model small --repeats 1", REPO).stdout
     for phase in ("decode", "update"):
-        assert re.search(rf"^small  {phase} +(\d+\.\d+ +){{6}}\d+\.\d+$", printed, re.MULTILINE), printed
+        assert re.search(rf"^small  {phase} +(\d+\.\d+ +){{6}}\d+\.\d+$", printed,
+                         re.MULTILINE), printed
 
 
 def test_decode_cache_benchmark_runs_at_its_smallest():
-    printed = ok(f"{CACHE_BENCH} --model large --prompt-tokens 6 --new-tokens 3 --rows 8 --pairs 2", REPO).stdout
+    printed = ok(f"{CACHE_BENCH} --model large --prompt-tokens 6 --new-tokens 3 --rows 8 --pairs 2",
+                 REPO).stdout
     assert re.search(r"^large +\d+\.\d+ +\d+\.\d+ +\d+\.\d+  True$", printed, re.MULTILINE), printed
 
 
 # ----------------------------------------------------------------------------- Controller
 
-SWEEP, ONE_RUN, QUICK = commands(readme_blocks("### RL decides when to delegate, and the decision follows the cost")[0])
+SWEEP, ONE_RUN, QUICK = commands(readme_blocks("### RL decides when to delegate, and the decision "
+                                               "follows the cost")[0])
 # The one-run line at the quick variant's sizes, from the warm start the quick line saved.
 CONTROLLER_SMALL = ("task.params.n_train=40", "task.params.n_test=12", "task.params.n_ood=12",
                     "task.params.sizes=[2,4,6]", "trainer.steps=2", "trainer.prompts_per_step=2",
-                    "trainer.trees_per_prompt=4", "eval.tasks_per_split=4", "eval.bootstrap_samples=50")
+                    "trainer.trees_per_prompt=4", "eval.tasks_per_split=4",
+                    "eval.bootstrap_samples=50")
 
 
 @pytest.mark.slow
@@ -314,7 +337,10 @@ def test_controller_lines_run_the_quick_variant_one_run_and_the_sweep(tmp_path):
     warm = tmp_path / "runs/controller_quick/seed0/sft"
     assert (tmp_path / "runs/controller_quick/seed0/report.md").is_file()
     ok(" ".join([ONE_RUN, *CONTROLLER_SMALL, f"warm_start.policy={warm}"]), tmp_path)
-    assert json.loads((tmp_path / "runs/controller/seed0/results.json").read_text())["name"] == "controller"
+    assert json.loads(
+        (tmp_path / "runs/controller/seed0/results.json").read_text())["name"] == "controller"
     overrides = ",".join(f'"{o}"' for o in [*CONTROLLER_SMALL, f"warm_start.policy={warm}"])
-    ok(f"{SWEEP} seeds=[0] experiments=[controller] credits=[broadcast] 'overrides=[{overrides}]'", tmp_path)
-    assert "| controller | broadcast | 1 |" in (tmp_path / "runs/controller_sweep/summary.md").read_text()
+    ok(f"{SWEEP} seeds=[0] experiments=[controller] credits=[broadcast] 'overrides=[{overrides}]'",
+       tmp_path)
+    assert "| controller | broadcast | 1 |" in (
+        tmp_path / "runs/controller_sweep/summary.md").read_text()

@@ -16,7 +16,8 @@ def build_tree() -> CloneTree:
     clone), then 2 more tokens after the return, then a second wave with one 6-token clone."""
     tree = CloneTree(task_id="t1", task_index=0, sample_index=1, reward=0.5, correct=True)
     root = tree.add(Node("0", None, 0, None, prompt_ids=[1] * 10))
-    root.segments += [sampled(5, "<spawn>a<sep>b</spawn>"), Segment("return", [9] * 4, None, "<return>..")]
+    root.segments += [sampled(5, "<spawn>a<sep>b</spawn>"),
+                      Segment("return", [9] * 4, None, "<return>..")]
     root.spawns.append(Spawn(0, ["0.0", "0.1"], ["bad key"]))
     root.segments += [sampled(2, "<spawn>c</spawn>"), Segment("return", [9] * 3)]
     root.spawns.append(Spawn(2, ["0.2"]))
@@ -82,7 +83,8 @@ def test_add_rejects_orphans_and_duplicates():
 def test_pretty_shows_the_hierarchy():
     text = build_tree().pretty()
     lines = text.splitlines()
-    assert lines[0].startswith("tree t1#1  reward=0.500 correct=True  generated=28 critical_path=25")
+    assert lines[
+        0].startswith("tree t1#1  reward=0.500 correct=True  generated=28 critical_path=25")
     assert any(line.startswith("      [clone 0.0.0]") for line in lines)  # depth-2 indentation
     assert "spawn error: bad key" in text
     # the clones of a wave are listed right after the segment that spawned them

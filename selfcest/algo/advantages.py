@@ -16,9 +16,9 @@
    ``s_g = std_g + eps`` (unbiased std, as the reference) when ``std_normalize``, else
    ``s_g = 1``. A one-tree group gets ``A = 0``.
 4. **Credit.** The strategy (`selfcest.algo.credit.CREDIT`) gives every node of the tree an
-   advantage; the root always keeps ``A_i``. The clone terms of `sibling` and `counterfactual` are reward
-   differences between clones, not between trees, so they get a scale of their own (see
-   "Scales and bounds").
+   advantage; the root always keeps ``A_i``. The clone terms of `sibling` and `counterfactual`
+   are reward differences between clones, not between trees, so they get a scale of their own
+   (see "Scales and bounds").
 5. **Malformed gate.** Clones listed in ``tree.info["malformed_nodes"]`` get advantage 0
    (``zero_malformed_clones``): their output broke the format rule, so it is neither
    reinforced when the tree succeeded nor pushed around when it failed.
@@ -63,28 +63,38 @@ class CreditConfig:
     """How the global reward of each tree becomes an advantage for each of its nodes."""
 
     strategy: str = setting("broadcast", help=(
-        "credit strategy, one of selfcest.algo.credit.CREDIT: broadcast, ratio, sibling, counterfactual"))
+        "credit strategy: broadcast, ratio, sibling, counterfactual, or any name registered "
+        "with selfcest.algo.credit.register_credit"))
     std_normalize: bool = setting(False, help=(
         "divide root advantages by the group's std + eps, and clone terms by their own spread "
         "(selfcest.algo.advantages, 'Scales and bounds'); off by default: with shaped rewards a "
-        "group that differs only by small cost penalties gets those differences blown up to unit scale"))
-    eps: float = setting(1e-6, help="added to every spread a term is divided by when std_normalize (the reference's 1e-6)")
-    max_abs_advantage: float = setting(5.0, help="std_normalize: every advantage is clipped to [-max_abs_advantage, max_abs_advantage]")
-    ratio_clip: float = setting(1.5, help="ratio: the clone/root reward ratio is clipped to [0, ratio_clip] (the reference's 1.5)")
+        "group that differs only by small cost penalties gets those differences blown up to unit "
+        "scale"))
+    eps: float = setting(1e-6, help="added to every spread a term is divided by when std_normalize "
+                                    "(the reference's 1e-6)")
+    max_abs_advantage: float = setting(5.0, help="std_normalize: every advantage is clipped to "
+                                                 "[-max_abs_advantage, max_abs_advantage]")
+    ratio_clip: float = setting(1.5, help="ratio: the clone/root reward ratio is clipped to [0, "
+                                          "ratio_clip] (the reference's 1.5)")
     ratio_smoothing: float = setting(0.1, help=(
         "ratio: added to both reward magnitudes, so the ratio is defined and continuous at a "
         "zero root reward (selfcest.algo.credit.reward_ratio); in reward units"))
-    counterfactual_samples: int = setting(2, help="counterfactual: re-runs per clone with its answer replaced by a null result")
-    drop_zero_variance_groups: bool = setting(True, help="drop groups whose trees all have the same reward (one-tree groups too)")
-    zero_malformed_clones: bool = setting(True, help="set the advantage of clones in tree.info['malformed_nodes'] to 0")
-    drop_truncated_trees: bool = setting(False, help="drop trees in which any node finished with 'budget'")
+    counterfactual_samples: int = setting(2, help="counterfactual: re-runs per clone with its "
+                                                  "answer replaced by a null result")
+    drop_zero_variance_groups: bool = setting(True, help="drop groups whose trees all have the "
+                                                         "same reward (one-tree groups too)")
+    zero_malformed_clones: bool = setting(True, help="set the advantage of clones in "
+                                                     "tree.info['malformed_nodes'] to 0")
+    drop_truncated_trees: bool = setting(False,
+                                         help="drop trees in which any node finished with 'budget'")
     drop_error_trees: bool = setting(True, help="drop trees whose root finished with 'error'")
 
     def __post_init__(self) -> None:
         self.check()
 
     def check(self) -> None:
-        require(self.strategy in CREDIT, "strategy", f"must be one of {', '.join(CREDIT)}; got {self.strategy!r}")
+        require(self.strategy in CREDIT, "strategy",
+                f"must be one of {', '.join(CREDIT)}; got {self.strategy!r}")
         for name in ("eps", "max_abs_advantage", "ratio_clip", "ratio_smoothing"):
             value = getattr(self, name)
             require(is_number(value) and math.isfinite(value) and value > 0, name,
@@ -93,7 +103,8 @@ class CreditConfig:
                 "counterfactual_samples", f"must be >= 1; got {self.counterfactual_samples!r}")
         for name in ("std_normalize", "drop_zero_variance_groups", "zero_malformed_clones",
                      "drop_truncated_trees", "drop_error_trees"):
-            require(isinstance(getattr(self, name), bool), name, f"must be true or false; got {getattr(self, name)!r}")
+            require(isinstance(getattr(self, name), bool), name,
+                    f"must be true or false; got {getattr(self, name)!r}")
 
 
 @dataclass

@@ -1,13 +1,12 @@
 """Credit strategies: how a tree's root advantage reaches each of its clones.
 
-Each strategy is a `CreditStrategy` in the registry `CREDIT`, which `CreditConfig.strategy`
-names; adding one means adding its functions and its entry here. A strategy gives every node
-an advantage from the root's (`compute_advantages` computes that, group-relative) and, where
-it has them, clone terms: reward differences between clones, which `compute_advantages`
-scales by their own spread in the group (its docstring, "Scales and bounds"). A strategy
-that needs more than the scored trees (``counterfactual`` re-runs each tree without one
-clone's answer) does that work in ``prepare``, which the trainer calls with its rollout
-engine and reward before computing advantages.
+A strategy is a function registered with `register_credit` under the name
+``algo.credit.strategy`` selects (the registry `CREDIT`). It gives every node an advantage
+from the root's (`compute_advantages` computes that, group-relative) and, where it has them,
+clone terms: reward differences between clones, which `compute_advantages` scales by their
+own spread in the group (its docstring, "Scales and bounds"). Strategies are pure functions
+of the scored trees: what ``counterfactual`` needs beyond them (each tree re-run without one
+clone's answer) the trainer computes (`selfcest.train.counterfactual`).
 
 - ``broadcast``: every node gets its tree's advantage.
 - ``ratio``: the paper code's rule without its sign flip and zero division.
@@ -18,17 +17,13 @@ engine and reward before computing advantages.
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from selfcest.rewards.base import RewardFn, score_trees
-from selfcest.task import Task
 from selfcest.tree import CloneTree
 
-# tree.info keys the strategies read.
-MALFORMED_KEY = "malformed_nodes"  # list of clone ids that broke the format rule
+# tree.info key the counterfactual strategy reads (malformed clones: CloneTree.MALFORMED_KEY).
 COUNTERFACTUAL_KEY = "counterfactual"  # clone id -> mean reward of the null-return re-runs
 
 
@@ -177,71 +172,62 @@ def counterfactual_credit(
     return credit
 
 
-def counterfactual_reruns(trees: Sequence[CloneTree], tasks: Mapping[str, Task], engine,
-                          reward_fn: RewardFn, config) -> None:
-    """``prepare`` of ``counterfactual``: for each depth-1 clone, the mean reward of
-    ``config.counterfactual_samples`` re-runs of the root's continuation with that clone's
-    answer replaced by a null result, stored in ``tree.info["counterfactual"]``.
-
-    Simplification, stated: only the root's continuation is re-run; clones of clones take
-    their depth-1 ancestor's value.
-    """
-    for tree in trees:
-        task = tasks[tree.task_id]
-        values = {}
-        for clone_id in tree.root.children:
-            reruns = engine.rerun_without(tree, task, clone_id, samples=config.counterfactual_samples)
-            score_trees(reruns, {task.id: task}, reward_fn)
-            values[clone_id] = statistics.fmean(t.reward for t in reruns)
-        for node in tree.clones():
-            if node.depth > 1:
-                values[node.id] = values[".".join(node.id.split(".")[:2])]
-        tree.info[COUNTERFACTUAL_KEY] = values
-
-
 # --------------------------------------------------------------------- the registry
 
 
 @dataclass(frozen=True)
 class CreditStrategy:
-    """One way to credit clones."""
+    """One way to credit clones (`register_credit` says what each field means)."""
 
-    # (tree, its root advantage, its scaled clone terms, CreditConfig) -> node id -> advantage.
     credit: Callable[[CloneTree, float, dict[str, float], Any], dict[str, float]]
-    # (tree, CreditConfig) -> raw clone terms (reward differences), or None: no clone terms.
     clone_terms: Callable[[CloneTree, Any], dict[str, float]] | None = None
-    # Reads node rewards (and reports how often a clone had none).
     uses_node_rewards: bool = False
-    # Means nothing without clones (a run with spawning off is refused).
     needs_clones: bool = False
-    # (trees, tasks by id, rollout engine, reward, CreditConfig) -> None: work done on the
-    # scored trees before advantages are computed (re-runs), or None.
-    prepare: Callable[..., None] | None = None
-
-    @property
-    def reruns(self) -> bool:
-        """Whether ``prepare`` samples more trees (so every process needs a rollout engine)."""
-        return self.prepare is not None
+    reruns: bool = False
 
 
+CREDIT: dict[str, CreditStrategy] = {}
+
+
+def register_credit(name: str, *,
+                    clone_terms: Callable[[CloneTree, Any], dict[str, float]] | None = None,
+                    uses_node_rewards: bool = False, needs_clones: bool = False,
+                    reruns: bool = False):
+    """Register the decorated ``credit(tree, root_advantage, terms, config) -> {node id:
+    advantage}`` as the strategy ``algo.credit.strategy=<name>`` selects.
+
+    ``clone_terms(tree, config)``: the raw clone terms (reward differences) that
+    `compute_advantages` scales and hands to ``credit`` as ``terms`` (None: ``terms`` is
+    empty). ``uses_node_rewards``: it reads node rewards (how often a clone had none is
+    reported). ``needs_clones``: it means nothing without clones (a run with spawning off is
+    refused). ``reruns``: it reads ``tree.info["counterfactual"]``, which the trainer fills by
+    re-running trees (`selfcest.train.counterfactual`), so every process needs an engine.
+    """
+    def register(credit: Callable[..., dict[str, float]]) -> Callable[..., dict[str, float]]:
+        if name in CREDIT:
+            raise ValueError(f"credit strategy {name!r} is already registered")
+        CREDIT[name] = CreditStrategy(credit, clone_terms, uses_node_rewards, needs_clones, reruns)
+        return credit
+    return register
+
+
+@register_credit("broadcast")
 def _broadcast(tree, root_advantage, terms, config) -> dict[str, float]:
     return broadcast_credit(tree, root_advantage)
 
 
+@register_credit("ratio", uses_node_rewards=True)
 def _ratio(tree, root_advantage, terms, config) -> dict[str, float]:
     return ratio_credit(tree, root_advantage, config.ratio_clip, config.ratio_smoothing)
-
-
-def _sibling(tree, root_advantage, terms, config) -> dict[str, float]:
-    return sibling_credit(tree, root_advantage, terms)
 
 
 def _sibling_terms(tree, config) -> dict[str, float]:
     return sibling_differences(tree)
 
 
-def _counterfactual(tree, root_advantage, terms, config) -> dict[str, float]:
-    return counterfactual_credit(tree, root_advantage, terms)
+@register_credit("sibling", clone_terms=_sibling_terms, uses_node_rewards=True, needs_clones=True)
+def _sibling(tree, root_advantage, terms, config) -> dict[str, float]:
+    return sibling_credit(tree, root_advantage, terms)
 
 
 def _counterfactual_terms(tree, config) -> dict[str, float]:
@@ -249,13 +235,10 @@ def _counterfactual_terms(tree, config) -> dict[str, float]:
     return counterfactual_differences(tree, skip)
 
 
-CREDIT: dict[str, CreditStrategy] = {
-    "broadcast": CreditStrategy(_broadcast),
-    "ratio": CreditStrategy(_ratio, uses_node_rewards=True),
-    "sibling": CreditStrategy(_sibling, _sibling_terms, uses_node_rewards=True, needs_clones=True),
-    "counterfactual": CreditStrategy(_counterfactual, _counterfactual_terms, needs_clones=True,
-                                     prepare=counterfactual_reruns),
-}
+@register_credit("counterfactual", clone_terms=_counterfactual_terms, needs_clones=True,
+                 reruns=True)
+def _counterfactual(tree, root_advantage, terms, config) -> dict[str, float]:
+    return counterfactual_credit(tree, root_advantage, terms)
 
 
 # --------------------------------------------------------------------- helpers
@@ -279,12 +262,12 @@ def node_reward(tree: CloneTree, node_id: str, fallback: float) -> tuple[float, 
 
 def malformed_clones(tree: CloneTree) -> set[str]:
     """The clones ``tree.info["malformed_nodes"]`` lists (which must be clones of the tree)."""
-    listed: Any = tree.info.get(MALFORMED_KEY, [])
+    listed: Any = tree.info.get(CloneTree.MALFORMED_KEY, [])
     malformed = set(listed)
     clone_ids = {n.id for n in tree.clones()}
     if not malformed <= clone_ids:
         raise ValueError(
-            f"tree.info[{MALFORMED_KEY!r}] of tree {tree.task_id}#{tree.sample_index} lists "
-            f"{sorted(malformed - clone_ids)}, which are not clones of that tree"
+            f"tree.info[{CloneTree.MALFORMED_KEY!r}] of tree {tree.task_id}#{tree.sample_index} "
+            f"lists {sorted(malformed - clone_ids)}, which are not clones of that tree"
         )
     return malformed

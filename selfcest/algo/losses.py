@@ -2,20 +2,18 @@
 
 Conventions. Every per-token tensor is ``[batch, T]`` and *input-aligned*: position t is
 about token ``input_ids[:, t]``, whose logprob comes from the logits at position t - 1
-(`token_logprobs` does that shift, in one place). ``mask`` is 1 exactly on sampled tokens,
-the only ones trained on; position 0 is always a prompt token, so nothing is lost by it
-having no logprob.
+(`selfcest.modeling.token_logprobs` does that shift, in one place). ``mask`` is 1 exactly on
+sampled tokens, the only ones trained on; position 0 is always a prompt token, so nothing is
+lost by it having no logprob.
 
 The loss of one token is::
 
     loss = w_is * pg + kl_coef * kl(logp, ref) - entropy_coef * H - decision_entropy_coef * H_d
 
-with ``H_d`` nonzero only on a root's first sampled token, the decision whether to delegate
-(`token_choice_entropy`).
-
-with ``pg`` the PPO-clip term (`per_token_loss`), ``w_is`` an optional truncated
-importance weight and ``kl`` the k3 (or k2) estimator (`kl_penalty`). How token losses are
-averaged over a step is `aggregation_weights`.
+with ``pg`` the PPO-clip term (`per_token_loss`), ``w_is`` an optional truncated importance
+weight, ``kl`` the k3 (or k2) estimator (`kl_penalty`) and ``H_d`` nonzero only on a root's
+first sampled token, the decision whether to delegate (`token_choice_entropy`). How token
+losses are averaged over a step is `aggregation_weights`.
 """
 
 from __future__ import annotations
@@ -54,12 +52,15 @@ _LOG_RATIO_CLAMP = 20.0
 class LossConfig:
     """PPO-clip loss settings; every one of them takes effect (docs/reference.md §9.1)."""
 
-    clip_low: float = setting(0.2, help="the ratio is clipped below at 1 - clip_low (binds where the advantage is negative)")
-    clip_high: float = setting(0.2, help="the ratio is clipped above at 1 + clip_high (binds where the advantage is positive)")
+    clip_low: float = setting(0.2, help="the ratio is clipped below at 1 - clip_low (binds where "
+                                        "the advantage is negative)")
+    clip_high: float = setting(0.2, help="the ratio is clipped above at 1 + clip_high (binds where "
+                                         "the advantage is positive)")
     dual_clip: float | None = setting(None, help=(
         "dual clip: null, or c > 1 capping a negative-advantage token's loss at c * |A|, so a "
         "token whose ratio exploded cannot dominate the step (reference: 3.0)"))
-    kl_coef: float = setting(0.0, help="weight of the KL penalty to the reference policy; 0 turns it off (reference: 5e-4)")
+    kl_coef: float = setting(0.0, help="weight of the KL penalty to the reference policy; 0 turns "
+                                       "it off (reference: 5e-4)")
     kl_estimator: KLEstimator = setting(KLEstimator.k3, help=(
         "k3: exp(ref - logp) - (ref - logp) - 1 (low variance, unbiased, >= 0; the reference's "
         "low_var_kl); k2: (logp - ref)^2 / 2"))
@@ -89,14 +90,17 @@ class LossConfig:
             value = getattr(self, name)
             require(is_number(value) and math.isfinite(value) and value >= 0, name,
                     f"must be a finite number >= 0; got {value!r}")
-        require(self.clip_low < 1, "clip_low", f"must be < 1 (the ratio floor is 1 - clip_low); got {self.clip_low}")
+        require(self.clip_low < 1, "clip_low",
+                f"must be < 1 (the ratio floor is 1 - clip_low); got {self.clip_low}")
         require(self.kl_clamp > 0, "kl_clamp", "must be > 0")
         require(self.max_importance_ratio >= 1, "max_importance_ratio",
                 f"must be >= 1; got {self.max_importance_ratio}")
-        require(self.dual_clip is None or (is_number(self.dual_clip) and self.dual_clip > 1), "dual_clip",
+        require(self.dual_clip is None or (is_number(self.dual_clip) and self.dual_clip > 1),
+                "dual_clip",
                 f"must be null or a number > 1; got {self.dual_clip!r}")
         require(self.kl_estimator in tuple(KLEstimator), "kl_estimator",
-                f"must be one of {', '.join(e.value for e in KLEstimator)}; got {self.kl_estimator!r}")
+                f"must be one of {', '.join(e.value for e in KLEstimator)}; got "
+                f"{self.kl_estimator!r}")
         require(self.aggregation in AGGREGATIONS, "aggregation",
                 f"must be one of {', '.join(AGGREGATIONS)}; got {self.aggregation!r}")
 
@@ -225,21 +229,9 @@ def kl_penalty(
     elif estimator == "k2":
         value = 0.5 * delta.square()
     else:
-        raise ValueError(f"unknown KL estimator {estimator!r}; use one of {[e.value for e in KLEstimator]}")
+        raise ValueError(f"unknown KL estimator {estimator!r}; use one of "
+                         f"{[e.value for e in KLEstimator]}")
     return value.clamp(-clamp, clamp)
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Input-aligned logprobs ``[batch, T]`` of ``input_ids`` under causal-LM ``logits``.
-
-    Position t holds ``log softmax(logits[:, t-1])[input_ids[:, t]]``; position 0 holds 0.
-    Computed in float32 as ``logit - logsumexp`` so no second ``[batch, T, vocab]`` tensor of
-    log-probabilities is materialised.
-    """
-    shifted = logits[:, :-1].float()
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    picked = shifted.gather(-1, targets).squeeze(-1) - torch.logsumexp(shifted, dim=-1)
-    return torch.nn.functional.pad(picked, (1, 0))
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:

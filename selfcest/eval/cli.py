@@ -1,4 +1,5 @@
-"""selfcest-eval: evaluate saved policies across a budget sweep (`EvalConfig`, ``configs/eval.yaml``)."""
+"""selfcest-eval: evaluate saved policies across a budget sweep (`EvalConfig`,
+``configs/eval.yaml``)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ def run_eval(config: EvalConfig) -> None:
             tasks = load_tasks(source.name, **source.params)
         except (TypeError, ValueError) as error:
             raise ConfigError(f"splits.{name}: {error}") from None
-        splits[name] = tasks[: config.tasks_per_split] if config.tasks_per_split else tasks
-    methods = [{key: value for key, value in asdict(m).items() if value is not None} for m in config.methods]
+        splits[name] = config.first(tasks)
+    methods = [{key: value for key, value in asdict(m).items() if value is not None}
+               for m in config.methods]
     results = run_evaluation(
         config.policy, splits, config.budgets, methods, reward, config.out_dir,
         budget=config.budget, temperature=config.temperature, top_p=config.top_p,

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from selfcest.budget import Budget
-from selfcest.configure import is_number, require, setting
+from selfcest.configure import require, setting
 from selfcest.eval.evaluate import MethodKind
 from selfcest.rollout.backends.registry import BackendSettings
-from selfcest.train.config import TaskSourceConfig
+from selfcest.train.config import BudgetSweepConfig, TaskSourceConfig
 
 
 @dataclass
@@ -19,23 +19,24 @@ class MethodConfig:
     name: str = setting(help="label in tables, plots and file names; unique within one evaluation")
     kind: MethodKind = setting(help="clones, monolithic or self_consistency")
     samples: int = setting(1, help="k: trees per task, for self_consistency only")
-    budget: dict[str, int] = setting(help="overrides of the base budget's fields for this method", factory=dict)
-    model: str | None = setting(None, help="a policy folder of its own (null: the evaluated policy)")
+    budget: dict[str, int] = setting(help="overrides of the base budget's fields for this method",
+                                     factory=dict)
+    model: str | None = setting(None,
+                                help="a policy folder of its own (null: the evaluated policy)")
 
 
-@dataclass
-class EvalConfig:
-    """A saved policy across a budget sweep, against baselines."""
+# kw_only: the required policy follows the sweep's fields, which have defaults.
+@dataclass(kw_only=True)
+class EvalConfig(BudgetSweepConfig):
+    """A saved policy across a budget sweep (`BudgetSweepConfig`), against baselines."""
 
     policy: str = setting(help="folder of a saved policy (ClonePolicy.save_pretrained)")
     splits: dict[str, TaskSourceConfig] = setting(help=(
         "split name -> task source, e.g. {id: {name: keyed_sum, params: {split: test}}} or a "
         "jsonl file"), factory=dict)
-    tasks_per_split: int = setting(0, help="tasks used per split (the first N; 0 = all)")
-    budgets: list[int] = setting(help="total generated tokens per task (Budget.tree_generation) at each point of the sweep",
-                                 factory=lambda: [128, 256, 512])
     methods: list[MethodConfig] = setting(help="the methods compared", factory=lambda: [
-        MethodConfig("clones", MethodKind.clones), MethodConfig("monolithic", MethodKind.monolithic)])
+        MethodConfig("clones", MethodKind.clones),
+        MethodConfig("monolithic", MethodKind.monolithic)])
     budget: Budget = setting(help="base budget every method starts from", factory=Budget)
     reward: str = setting("selfcest.rewards.arithmetic:arithmetic_reward", help=(
         "reward: package.module:function or path/to/file.py:function"))
@@ -48,13 +49,13 @@ class EvalConfig:
     rollout: BackendSettings = setting(help=(
         "the engine every policy decodes with: rollout.backend=hf|vllm and its settings (the "
         "training config's keys of the same names)"), factory=BackendSettings)
-    device: str = setting("auto", help="where the policies run: auto (this process's GPU if there is one, else the CPU), cpu, cuda:1, ...")
-    bootstrap_samples: int = setting(1000, help="bootstrap resamples of every confidence interval")
-    out_dir: str = setting("runs/eval", help="where results.json/.csv/.md, the Pareto plots and the trees go")
+    device: str = setting("auto", help="where the policies run: auto (this process's GPU if there "
+                                       "is one, else the CPU), cpu, cuda:1, ...")
+    out_dir: str = setting("runs/eval",
+                           help="where results.json/.csv/.md, the Pareto plots and the trees go")
 
     def check(self) -> None:
-        require(bool(self.splits), "splits", "is empty: give at least one, e.g. splits.id.name=keyed_sum")
-        require(self.tasks_per_split >= 0, "tasks_per_split", f"must be >= 0; got {self.tasks_per_split}")
-        require(bool(self.budgets) and all(is_number(b) and b >= 1 for b in self.budgets), "budgets",
-                f"must be a non-empty list of token counts >= 1; got {self.budgets}")
+        super().check()
+        require(bool(self.splits), "splits",
+                "is empty: give at least one, e.g. splits.id.name=keyed_sum")
         require(bool(self.methods), "methods", "is empty: give at least one method")

@@ -75,14 +75,16 @@ def sample_trees(policy: ClonePolicy, tasks: Sequence[Task], mode: Mode, budget:
     prefill: list[int] = []
     if mode == Mode.DIRECT:  # no call can be opened, and none would be served
         budget = replace(budget, max_depth=0)
-        sampling = replace(sampling, banned_token_ids=(*sampling.banned_token_ids, policy.protocol.spawn_open_id))
+        sampling = replace(sampling, banned_token_ids=(*sampling.banned_token_ids,
+                                                       policy.protocol.spawn_open_id))
     elif mode == Mode.DELEGATE:
         prefill = [policy.protocol.spawn_open_id]
     engine = policy.engine(budget, sampling, seed=seed, backend=backend, root_prefill=prefill)
     return engine.rollout(tasks, samples_per_task=samples)
 
 
-def score_decisions(trees: Sequence[CloneTree], tasks: Sequence[Task], mode: Mode, reward_fn: RewardFn,
+def score_decisions(trees: Sequence[CloneTree], tasks: Sequence[Task], mode: Mode,
+                    reward_fn: RewardFn,
                     spawn_open_id: int) -> list[Decision]:
     """The `Decision` rows of ``trees`` (of ``tasks``, in ``mode``), scored by ``reward_fn``."""
     score_trees(trees, tasks, reward_fn)

@@ -55,7 +55,8 @@ CONFIDENCE = 0.95  # level of every bootstrap interval
 class PolicyLike(Protocol):
     """Anything that builds a rollout engine for a budget: a `ClonePolicy`, or a test double."""
 
-    def engine(self, budget: Budget, sampling: SamplingParams | None, seed: int) -> RolloutEngine: ...
+    def engine(self, budget: Budget, sampling: SamplingParams | None,
+               seed: int) -> RolloutEngine: ...
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class Method:
         if not self.name.strip():
             raise ValueError("a method needs a non-empty name")
         if self.kind not in METHOD_KINDS:
-            raise ValueError(f"method {self.name!r}: kind must be one of {METHOD_KINDS}, got {self.kind!r}")
+            raise ValueError(f"method {self.name!r}: kind must be one of {METHOD_KINDS}, got "
+                             f"{self.kind!r}")
         if self.samples < 1:
             raise ValueError(f"method {self.name!r}: samples must be >= 1, got {self.samples}")
         if self.samples > 1 and self.kind != "self_consistency":
@@ -140,7 +142,8 @@ class Vote:
     index: int  # the first sample that gave it: the tree that stands for the vote
 
 
-def majority_vote(answers: Sequence[str], normalize: Callable[[str], str] = normalize_answer) -> Vote:
+def majority_vote(answers: Sequence[str],
+                  normalize: Callable[[str], str] = normalize_answer) -> Vote:
     """Elect the most frequent non-empty normalised answer.
 
     Empty answers (a sample cut by its budget before answering) do not vote, so silence
@@ -468,7 +471,8 @@ def method_from_mapping(
     known = {"name", "kind", "samples", "budget", "model", "task_view"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"method {data.get('name')!r}: unknown field(s) {unknown}; allowed: {sorted(known)}")
+        raise ValueError(f"method {data.get('name')!r}: unknown field(s) {unknown}; allowed: "
+                         f"{sorted(known)}")
     if "name" not in data or "kind" not in data:
         raise ValueError(f"a method needs a name and a kind, got {dict(data)}")
     model = data.get("model")

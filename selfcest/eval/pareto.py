@@ -112,7 +112,8 @@ def plot_pareto(results: EvalResults, cost: CostMetric, path: str | Path) -> Pat
     for ax, split in zip(axes[0], splits):
         everything = []
         for method in results.methods:
-            cells = sorted(results.select(method=method, split=split), key=lambda c: c.cost(cost).value)
+            cells = sorted(results.select(method=method, split=split),
+                           key=lambda c: c.cost(cost).value)
             if not cells:
                 continue
             x = [c.cost(cost).value for c in cells]

@@ -54,9 +54,11 @@ def bootstrap_ratio(
     """
     top, bottom = np.asarray(numerators, dtype=float), np.asarray(denominators, dtype=float)
     if top.ndim != 1 or top.shape != bottom.shape or top.size == 0:
-        raise ValueError("bootstrap_ratio needs non-empty numerators and denominators of one length")
+        raise ValueError(
+            "bootstrap_ratio needs non-empty numerators and denominators of one length")
     if (bottom <= 0).any():
-        raise ValueError("bootstrap_ratio needs positive denominators (leave out groups with no items)")
+        raise ValueError("bootstrap_ratio needs positive denominators (leave out groups with no "
+                         "items)")
     draws = _draws(top.size, resamples, level, seed)
     ratios = top[draws].sum(axis=1) / bottom[draws].sum(axis=1)
     return Estimate(float(top.sum() / bottom.sum()), *_percentiles(ratios, level))

@@ -118,10 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``selfcest-view trees.jsonl [more.jsonl …] -o trace.html``."""
     parser = argparse.ArgumentParser(
         prog="selfcest-view",
-        description="Render clone trees (JSONL, one tree per line) as one self-contained HTML page.",
+        description=("Render clone trees (JSONL, one tree per line) as one self-contained "
+                     "HTML page."),
     )
     parser.add_argument("trees", nargs="+", type=Path, help="JSONL files of clone trees")
-    parser.add_argument("-o", "--output", type=Path, default=Path("trace.html"), help="HTML file to write")
+    parser.add_argument("-o", "--output", type=Path, default=Path("trace.html"),
+                        help="HTML file to write")
     parser.add_argument("--title", help="page title (default: the input file names)")
     parser.add_argument("--limit", type=int, help="render only the first LIMIT trees")
     args = parser.parse_args(argv)

@@ -35,7 +35,7 @@ from selfcest.algo.losses import AGGREGATIONS, aggregation_weights
 from selfcest.cli import register_schemas
 from selfcest.configure import ConfigError, hydra_app
 from selfcest.eval.stats import bootstrap_mean
-from selfcest.experiments.cpu_repro import evaluation_splits, held_out, load_policy, say
+from selfcest.experiments.common import evaluation_splits, held_out, load_policy, say
 from selfcest.experiments.rl_seeds import train_seed
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.train.config import TrainConfig
@@ -54,7 +54,8 @@ def largest_trees_share(trees: list[CloneTree], mode: str) -> float:
     mass = [0.0] * len(trees)
     for w, n, i in zip(weights, lengths, tree_ids):
         mass[i] += w * n
-    largest = sorted(range(len(trees)), key=lambda i: len(trees[i].nodes))[-max(1, len(trees) // 4):]
+    largest = sorted(range(len(trees)),
+                     key=lambda i: len(trees[i].nodes))[-max(1, len(trees) // 4):]
     return sum(mass[i] for i in largest) / sum(mass)
 
 
@@ -70,7 +71,8 @@ def run(base: TrainConfig, log=say) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     splits = evaluation_splits(base, settings)
     sft = load_policy(base, warm_started)
-    start_reward = {name: held_out(base, sft, tasks, settings).reward for name, tasks in splits.items()}
+    start_reward = {name: held_out(base, sft, tasks, settings).reward for name,
+                    tasks in splits.items()}
     rollout = base.rollout
     engine = sft.engine(rollout.budget, SamplingParams(rollout.temperature), seed=base.trainer.seed)
     first_step = engine.rollout(splits["in-distribution"][: base.trainer.prompts_per_step],
@@ -83,7 +85,8 @@ def run(base: TrainConfig, log=say) -> dict:
         config.algo.loss.aggregation = mode
         per_task[mode] = {name: [] for name in splits}
         for seed in seeds:
-            row, rewards = train_seed(config, warm_started, splits, seed, out / f"{mode}_seed{seed}")
+            row, rewards = train_seed(config, warm_started, splits, seed,
+                                      out / f"{mode}_seed{seed}")
             for name in splits:
                 per_task[mode][name].append(rewards[name])
             runs.append({"aggregation": mode, **row})
@@ -104,7 +107,8 @@ def summarise(per_task, start_reward, resamples: int) -> list[dict]:
         for name, seeds in by_split.items():
             mean_of_seeds = [statistics.fmean(values) for values in zip(*seeds)]
             baseline = [statistics.fmean(v) for v in zip(*per_task["token_mean"][name])]
-            gain = bootstrap_mean([a - b for a, b in zip(mean_of_seeds, start_reward[name])], resamples)
+            gain = bootstrap_mean([a - b for a, b in zip(mean_of_seeds, start_reward[name])],
+                                  resamples)
             versus = bootstrap_mean([a - b for a, b in zip(mean_of_seeds, baseline)], resamples)
             seed_means = [statistics.fmean(values) for values in seeds]
             rows.append({"aggregation": mode, "split": name,
@@ -122,7 +126,8 @@ def report(results: dict) -> str:
              "Share of one step's gradient weight on the quarter of its trees with the most "
              "nodes (warm start, 8 prompts x 8 trees; 0.25 = every tree weighs the same): "
              + ", ".join(f"{k} {v:.2f}" for k, v in results["largest_trees_share"].items()), "",
-             "| aggregation | split | held-out reward | seed std | gain over warm start | vs token_mean |",
+             "| aggregation | split | held-out reward | seed std | gain over warm start | vs "
+             "token_mean |",
              "|---|---|---|---|---|---|"]
     for row in results["summary"]:
         gain, versus = row["gain"], row["vs_token_mean"]
@@ -143,7 +148,8 @@ def main() -> None:
     """The Hydra app: ``experiment=`` defaults to cpu_repro, ``trainer.output_dir`` to
     runs/aggregation."""
     register_schemas()
-    hydra_app("train", TrainConfig, run, program="python -m selfcest.experiments.aggregation", defaults=["experiment=cpu_repro", "trainer.output_dir=runs/aggregation"])
+    hydra_app("train", TrainConfig, run, program="python -m selfcest.experiments.aggregation",
+              defaults=["experiment=cpu_repro", "trainer.output_dir=runs/aggregation"])
 
 
 if __name__ == "__main__":

@@ -6,11 +6,12 @@ keys to clones; past a size only delegation fits its context. The warm start is 
 whatever preference the policy shows after RL, RL put it there. One run is one cost setting
 and one seed::
 
-    python -m selfcest.experiments.controller                                # 0.002 per processed token
-    python -m selfcest.experiments.controller experiment=controller_free     # no cost
-    python -m selfcest.experiments.controller experiment=controller_latency  # critical-path tokens
-    python -m selfcest.experiments.controller experiment=controller_quick    # test-sized
-    python -m selfcest.experiments.controller trainer.seed=1 warm_start.policy=runs/controller/seed1/sft
+    python -m selfcest.experiments.controller                               # 0.002/processed token
+    python -m selfcest.experiments.controller experiment=controller_free    # no cost
+    python -m selfcest.experiments.controller experiment=controller_latency # critical-path tokens
+    python -m selfcest.experiments.controller experiment=controller_quick   # test-sized
+    python -m selfcest.experiments.controller trainer.seed=1 \
+        warm_start.policy=runs/controller/seed1/sft
 
 `selfcest.experiments.controller_sweep` runs every setting and seed. Steps, each timed,
 outputs under ``trainer.output_dir``:
@@ -39,9 +40,17 @@ import torch
 
 from selfcest.cli import register_schemas
 from selfcest.configure import hydra_app
-from selfcest.eval.decisions import Decision, Mode, paired_gap, per_size, per_task, sample_trees, score_decisions
+from selfcest.eval.decisions import (
+    Decision,
+    Mode,
+    paired_gap,
+    per_size,
+    per_task,
+    sample_trees,
+    score_decisions,
+)
+from selfcest.experiments.common import load_policy, say, timed, train_arm, warm_start_folder
 from selfcest.experiments.controller_report import write_controller_report
-from selfcest.experiments.cpu_repro import load_policy, say, timed, train_arm, warm_start_folder
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.task import Task
@@ -68,13 +77,12 @@ TREES_FILE = "decision_trees.jsonl"
 def held_out_by_size(config: TrainConfig) -> list[Task]:
     """The first ``eval.tasks_per_split`` held-out tasks of each size (test split) and of the
     OOD split; neither the warm start nor RL sees them."""
-    n = config.eval.tasks_per_split
     tasks: list[Task] = []
     for split in held_out_splits(config.task):
         by_size: dict[int, list[Task]] = {}
         for task in load_split(config.task, split):
             by_size.setdefault(len(task.context), []).append(task)
-        tasks += [task for size in sorted(by_size) for task in by_size[size][:n]]
+        tasks += [task for size in sorted(by_size) for task in config.eval.first(by_size[size])]
     return tasks
 
 
@@ -98,7 +106,8 @@ def policy_trees(config: TrainConfig, policy: ClonePolicy, tasks: list[Task],
                 row = json.loads(line)
                 trees[Mode(row["mode"])].append(CloneTree.from_dict(row["tree"]))
             return trees
-    trees = {mode: sample_trees(policy, tasks, mode, config.rollout.budget, training_sampling(config),
+    trees = {mode: sample_trees(policy, tasks, mode, config.rollout.budget,
+                                training_sampling(config),
                                 samples, seed=seed) for mode in Mode}
     if cache is not None:
         with open(cache, "w") as file:
@@ -113,12 +122,15 @@ def _measurement_key(config: TrainConfig, policy: ClonePolicy, tasks: list[Task]
     for name, tensor in policy.model.state_dict().items():
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    what = {"weights": digest.hexdigest(), "tasks": [t.id for t in tasks], "budget": asdict(config.rollout.budget),
-            "sampling": asdict(training_sampling(config)), "samples": config.eval.reward_samples, "seed": seed}
+    what = {"weights": digest.hexdigest(), "tasks": [t.id for t in tasks],
+            "budget": asdict(config.rollout.budget),
+            "sampling": asdict(training_sampling(config)), "samples": config.eval.reward_samples,
+            "seed": seed}
     return hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
-def measure(config: TrainConfig, policy: ClonePolicy, tasks: list[Task], cache: Path | None = None) -> list[Decision]:
+def measure(config: TrainConfig, policy: ClonePolicy, tasks: list[Task], cache: Path
+            | None = None) -> list[Decision]:
     """The policy in every mode on ``tasks``, sampled as in training, scored by this config's
     reward (trees from ``cache`` when it holds them)."""
     reward = build_reward(config)
@@ -143,7 +155,8 @@ def validation_score(config: TrainConfig) -> Callable[[ClonePolicy], float] | No
     if not config.warm_start.validation_tasks:
         return None
     tasks = validation_tasks(config)
-    limit = config.warm_start.teacher_params.get("max_direct_keys") or max(len(t.context) for t in tasks)
+    limit = (config.warm_start.teacher_params.get("max_direct_keys")
+             or max(len(t.context) for t in tasks))
     cells = {Mode.DIRECT: [t for t in tasks if len(t.context) <= limit], Mode.DELEGATE: tasks}
     reward, greedy = build_reward(config), SamplingParams(temperature=0.0)
 
@@ -180,51 +193,64 @@ def steps_to_fraction(history: list[dict], fraction: float = 0.9, window: int = 
     return next(i + 1 for i, value in enumerate(smooth) if i >= window - 1 and value >= target)
 
 
-def summarize(config: TrainConfig, decisions: dict[str, list[Decision]], history: list[dict]) -> dict:
+def summarize(config: TrainConfig, decisions: dict[str, list[Decision]],
+              history: list[dict]) -> dict:
     """Every figure and verdict of the report, as plain data (``results.json``)."""
     resamples = config.eval.bootstrap_samples
     trained = sorted(config.task.params.get("sizes") or [])
-    rows = {name: [asdict(row) for row in per_size(policy_rows, resamples)] for name, policy_rows in decisions.items()}
-    in_dist = {name: [d for d in policy_rows if d.size in trained] for name, policy_rows in decisions.items()}
+    rows = {name: [asdict(row) for row in per_size(policy_rows, resamples)] for name,
+            policy_rows in decisions.items()}
+    in_dist = {name: [d for d in policy_rows if d.size in trained] for name,
+               policy_rows in decisions.items()}
 
     def reward(name: str, mode: Mode) -> dict[str, float]:
         return per_task(in_dist[name], "reward", mode.value)
 
-    forced = {m.value: statistics.fmean(reward("RL", m).values()) for m in (Mode.DIRECT, Mode.DELEGATE)}
+    forced = {m.value: statistics.fmean(reward("RL", m).values())
+              for m in (Mode.DIRECT, Mode.DELEGATE)}
     best_forced = max(forced, key=forced.get)
     against_start = paired_gap(reward("RL", Mode.FREE), reward("warm start", Mode.FREE), resamples)
     against_forced = paired_gap(reward("RL", Mode.FREE), reward("RL", Mode(best_forced)), resamples)
-    trained_rows = {name: [r for r in policy_rows if r["size"] in trained] for name, policy_rows in rows.items()}
+    trained_rows = {name: [r for r in policy_rows if r["size"] in trained] for name,
+                    policy_rows in rows.items()}
     follows = [_follows(row) for row in trained_rows["RL"] if row["better"] != "tie"]
     return {
-        "name": config.name, "seed": config.trainer.seed, "cost": config.task.reward_params.get("cost"),
+        "name": config.name, "seed": config.trainer.seed,
+        "cost": config.task.reward_params.get("cost"),
         "credit": str(config.algo.credit.strategy), "trained_sizes": trained,
         "per_size": rows,
-        "oracle": {name: {r["size"]: r["better"] for r in policy_rows} for name, policy_rows in trained_rows.items()},
-        "boundary": {name: boundary(policy_rows, trained) for name, policy_rows in trained_rows.items()},
+        "oracle": {name: {r["size"]: r["better"] for r in policy_rows} for name,
+                   policy_rows in trained_rows.items()},
+        "boundary": {name: boundary(policy_rows, trained) for name,
+                     policy_rows in trained_rows.items()},
         "skills_kept": skills_kept(trained_rows),
         "decision_room": decision_room(trained_rows["warm start"]),
         "reward": {name: statistics.fmean(reward(name, Mode.FREE).values()) for name in decisions},
         "forced_reward": forced, "best_forced": best_forced,
         "rl_minus_start": asdict(against_start), "rl_minus_best_forced": asdict(against_forced),
-        "beats_start": against_start.low > 0, "matches_best_forced": against_forced.low >= FORCED_MARGIN,
-        "decisive_sizes": [size for size, ok in follows if ok], "indecisive_sizes": [s for s, ok in follows if not ok],
+        "beats_start": against_start.low > 0,
+        "matches_best_forced": against_forced.low >= FORCED_MARGIN,
+        "decisive_sizes": [size for size, ok in follows if ok],
+        "indecisive_sizes": [s for s, ok in follows if not ok],
         "steps_to_90": steps_to_fraction(history),
-        "final_train_reward": statistics.fmean(h["reward/mean"] for h in history[-4:]) if history else None,
+        "final_train_reward": statistics.fmean(h["reward/mean"] for h in history[-4:]) if history
+        else None,
         "training_rate": training_rates(history, trained),
     }
 
 
 def _follows(row: dict) -> tuple[int, bool]:
     rate = row["delegation_rate"]["value"]
-    return row["size"], rate >= DECISIVE_RATE if row["better"] == "delegate" else rate <= 1 - DECISIVE_RATE
+    return (row["size"], rate >= DECISIVE_RATE if row["better"] == "delegate" else rate <= 1
+            - DECISIVE_RATE)
 
 
 def decision_room(rows: list[dict]) -> float:
     """What choosing the better forced style at every size would add to the warm start's free
     reward (mean over sizes, which hold as many tasks each): the gain open to RL from the
     decision alone, its skills unchanged."""
-    return statistics.fmean(max(r["reward"][Mode.DIRECT.value]["value"], r["reward"][Mode.DELEGATE.value]["value"])
+    return statistics.fmean(max(r["reward"][Mode.DIRECT.value]["value"],
+                                r["reward"][Mode.DELEGATE.value]["value"])
                             - r["reward"][Mode.FREE.value]["value"] for r in rows)
 
 
@@ -266,18 +292,22 @@ def record(summary: dict) -> dict:
     return {
         "name": summary["name"], "cost": kind, "lambda": weight, "credit": summary["credit"],
         "seed": summary["seed"], "sizes": sizes,
-        "p_delegate": {name: [rows[name][s]["delegation_rate"]["value"] for s in sizes] for name in POLICIES},
+        "p_delegate": {name: [rows[name][s]["delegation_rate"]["value"] for s in sizes]
+                       for name in POLICIES},
         "oracle": [summary["oracle"]["warm start"][s] for s in sizes],
         "oracle_rl": [summary["oracle"]["RL"][s] for s in sizes],
         "forced": {name: {mode: [rows[name][s]["accuracy"][mode]["value"] for s in sizes]
-                          for mode in (Mode.DIRECT.value, Mode.DELEGATE.value)} for name in POLICIES},
-        "clones_per_call": {name: [(rows[name][s]["branching"] or {}).get("value") for s in sizes] for name in POLICIES},
+                          for mode in (Mode.DIRECT.value, Mode.DELEGATE.value)}
+                   for name in POLICIES},
+        "clones_per_call": {name: [(rows[name][s]["branching"] or {}).get("value") for s in sizes]
+                            for name in POLICIES},
         "boundary": summary["boundary"],
         "reward": summary["reward"],
         "decision_room": summary["decision_room"],
         "rl_minus_warm_start": interval(summary["rl_minus_start"]),
         "rl_minus_best_forced": interval(summary["rl_minus_best_forced"]),
-        "decisive_sizes": summary["decisive_sizes"], "indecisive_sizes": summary["indecisive_sizes"],
+        "decisive_sizes": summary["decisive_sizes"],
+        "indecisive_sizes": summary["indecisive_sizes"],
         "skills_kept": all(s["kept"] for s in summary["skills_kept"]),
     }
 
@@ -293,7 +323,8 @@ def run(config: TrainConfig, log=say) -> dict:
     with timed(timings, "warm start (SFT)", log):
         warm_start_folder(config, out / "sft", log, score=validation_score(config))
     with timed(timings, "forced styles before RL", log):
-        before = measure(config, load_policy(config, out / "sft"), tasks, cache=out / "sft" / TREES_FILE)
+        before = measure(config, load_policy(config, out / "sft"), tasks,
+                         cache=out / "sft" / TREES_FILE)
     with timed(timings, "RL", log):
         trained, history = train_arm(config, out / "sft", out / "rl")
     with timed(timings, "forced styles after RL", log):
@@ -305,7 +336,8 @@ def run(config: TrainConfig, log=say) -> dict:
     return write_results(config, out, decisions, history, timings, log)
 
 
-def write_results(config: TrainConfig, out: Path, decisions: dict[str, list[Decision]], history: list[dict],
+def write_results(config: TrainConfig, out: Path, decisions: dict[str, list[Decision]],
+                  history: list[dict],
                   timings: dict[str, float], log=say) -> dict:
     """``results.json`` (the summary and its `record`) and ``report.md``; returns the summary."""
     summary = {**summarize(config, decisions, history), "timings": timings}
@@ -326,7 +358,8 @@ def refresh(config: TrainConfig, log=say) -> dict:
         row = json.loads(line)
         decisions[row.pop("policy")].append(Decision(**row))
     timings = json.loads((out / "results.json").read_text())["timings"]
-    return write_results(config, out, decisions, read_metrics(out / "rl" / "metrics.jsonl"), timings, log)
+    return write_results(config, out, decisions, read_metrics(out / "rl" / "metrics.jsonl"),
+                         timings, log)
 
 
 def main() -> None:

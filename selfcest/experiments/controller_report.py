@@ -31,7 +31,8 @@ def plot_by_size(series: dict[str, list[tuple[int, dict | None]]], ylabel: str, 
             continue
         sizes = [size for size, _ in points]
         values = [e["value"] for _, e in points]
-        errors = [[e["value"] - e["low"] for _, e in points], [e["high"] - e["value"] for _, e in points]]
+        errors = [[e["value"] - e["low"] for _, e in points],
+                  [e["high"] - e["value"] for _, e in points]]
         axis.errorbar(sizes, values, yerr=errors, marker="o", markersize=4, capsize=3, label=label)
     axis.set_xlabel("task size (keys)")
     axis.set_ylabel(ylabel)
@@ -50,7 +51,8 @@ def plot_training_rates(rates: dict, path: Path, window: int = 5) -> Path:
     axis = figure.subplots()
     for size, series in rates.items():
         points = [(step, rate) for step, rate in enumerate(series, 1) if rate is not None]
-        smooth = [statistics.fmean(r for _, r in points[max(0, i - window + 1): i + 1]) for i in range(len(points))]
+        smooth = [statistics.fmean(r for _, r in points[max(0, i - window + 1): i + 1])
+                  for i in range(len(points))]
         axis.plot([step for step, _ in points], smooth, label=f"{size} keys")
     axis.set_xlabel("training step")
     axis.set_ylabel(f"P(root delegates), mean of {window}")
@@ -74,11 +76,13 @@ def plot_decisions(records: list[dict], path: Path) -> Path:
         groups.setdefault(_label(r), []).append(r)
     sizes = records[0]["sizes"] if records else []
     if records:
-        start = [statistics.fmean(r["p_delegate"]["warm start"][i] for r in records) for i in range(len(sizes))]
+        start = [statistics.fmean(r["p_delegate"]["warm start"][i] for r in records)
+                 for i in range(len(sizes))]
         axis.plot(sizes, start, color="gray", marker="o", markersize=4, label="warm start")
     for n, (label, runs) in enumerate(groups.items()):
         color = f"C{n}"
-        rates = [statistics.fmean(r["p_delegate"]["RL"][i] for r in runs) for i in range(len(sizes))]
+        rates = [statistics.fmean(r["p_delegate"]["RL"][i] for r in runs)
+                 for i in range(len(sizes))]
         axis.plot(sizes, rates, color=color, marker="o", markersize=4, label=f"RL, {label}")
         crossing = next((s for s, o in zip(sizes, runs[0]["oracle"]) if o == "delegate"), None)
         if crossing is not None:
@@ -102,10 +106,12 @@ def _label(record: dict) -> str:
 
 def size_series(summary: dict, field: str) -> dict[str, list[tuple[int, dict | None]]]:
     """``field`` of every per-size row, one series per policy of the summary."""
-    return {name: [(row["size"], row[field]) for row in rows] for name, rows in summary["per_size"].items()}
+    return {name: [(row["size"], row[field]) for row in rows] for name,
+            rows in summary["per_size"].items()}
 
 
-def write_controller_report(out: Path, config: TrainConfig, summary: dict, history: list[dict]) -> Path:
+def write_controller_report(out: Path, config: TrainConfig, summary: dict,
+                            history: list[dict]) -> Path:
     """``report.md`` with ``delegation_rate.png``, ``branching.png`` and ``training_curve.png``."""
     plots = {
         "rate": plot_by_size(size_series(summary, "delegation_rate"), "P(root delegates)",
@@ -113,7 +119,8 @@ def write_controller_report(out: Path, config: TrainConfig, summary: dict, histo
         "branching": plot_by_size(size_series(summary, "branching"), "clones of the first call",
                                   out / "branching.png").name,
         "curve": training_curves({"RL": history}, out / "training_curve.png").name,
-        "training_rate": plot_training_rates(summary["training_rate"], out / "training_rate.png").name,
+        "training_rate": plot_training_rates(summary["training_rate"],
+                                             out / "training_rate.png").name,
     }
     text = _ENVIRONMENT.get_template("controller_report.md.j2").render(
         config=config, summary=summary, plots=plots)

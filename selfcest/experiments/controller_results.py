@@ -47,7 +47,11 @@ def mean_at(runs: list[dict], field, indices_of) -> float:
 
 def envelope(runs: list[dict], key: str) -> tuple[float, float, float]:
     """(lowest low, mean of the seeds' means, highest high) of the seeds' intervals."""
-    return (min(r[key][0] for r in runs), statistics.fmean(r[key][1] for r in runs), max(r[key][2] for r in runs))
+    return (
+        min(r[key][0] for r in runs),
+        statistics.fmean(r[key][1] for r in runs),
+        max(r[key][2] for r in runs),
+    )
 
 
 def passes(runs: list[dict], key: str, bound: float) -> int:
@@ -86,17 +90,37 @@ def readme_table(records: list[dict]) -> str:
         if credit != "broadcast":
             continue
         small = [mean_at(runs, lambda r, p=p: r["p_delegate"][p], both_open) for p in POLICIES]
-        large = mean_at(runs, lambda r: r["p_delegate"]["RL"], lambda r: [i for i in range(len(r["sizes"]))
-                                                                          if i not in both_open(r)])
+        large = mean_at(
+            runs,
+            lambda r: r["p_delegate"]["RL"],
+            lambda r: [i for i in range(len(r["sizes"])) if i not in both_open(r)],
+        )
         followed = [follows_oracle(r) for r in runs]
-        rows.append([cost_label(runs[0]), f"{small[0]:.2f} → {small[1]:.2f}", f"{large:.2f}",
-                     ", ".join(str(r["boundary"]["RL"]) for r in runs),
-                     f"{sum(f for f, _ in followed)}/{sum(n for _, n in followed)}",
-                     fmt(envelope(runs, "rl_minus_warm_start")), f"{passes(runs, 'rl_minus_warm_start', 0)}/{len(runs)}",
-                     fmt(envelope(runs, "rl_minus_best_forced"))])
-    return table(["cost", "P(delegate) where both fit: start → RL", "P(delegate) where only delegation fits",
-                  "boundary per seed", "on the oracle's side", "RL − warm start", "seeds gaining",
-                  "RL − best forced style"], rows)
+        rows.append(
+            [
+                cost_label(runs[0]),
+                f"{small[0]:.2f} → {small[1]:.2f}",
+                f"{large:.2f}",
+                ", ".join(str(r["boundary"]["RL"]) for r in runs),
+                f"{sum(f for f, _ in followed)}/{sum(n for _, n in followed)}",
+                fmt(envelope(runs, "rl_minus_warm_start")),
+                f"{passes(runs, 'rl_minus_warm_start', 0)}/{len(runs)}",
+                fmt(envelope(runs, "rl_minus_best_forced")),
+            ]
+        )
+    return table(
+        [
+            "cost",
+            "P(delegate) where both fit: start → RL",
+            "P(delegate) where only delegation fits",
+            "boundary per seed",
+            "on the oracle's side",
+            "RL − warm start",
+            "seeds gaining",
+            "RL − best forced style",
+        ],
+        rows,
+    )
 
 
 def credit_table(records: list[dict], setting: str = "controller") -> str:
@@ -107,14 +131,29 @@ def credit_table(records: list[dict], setting: str = "controller") -> str:
             continue
         followed = [follows_oracle(r) for r in runs]
         rewards = [r["reward"]["RL"] for r in runs]
-        rows.append([credit, f"{statistics.fmean(rewards):.3f} ({min(rewards):.3f}–{max(rewards):.3f})",
-                     fmt(envelope(runs, "rl_minus_warm_start")), f"{passes(runs, 'rl_minus_warm_start', 0)}/{len(runs)}",
-                     fmt(envelope(runs, "rl_minus_best_forced")),
-                     f"{sum(f for f, _ in followed)}/{sum(n for _, n in followed)}",
-                     f"{sum(r['skills_kept'] for r in runs)}/{len(runs)}"])
-    return table(["credit", "held-out reward after RL (seed range)", "RL − warm start", "seeds gaining",
-                  "RL − best forced style", "decision on the oracle's side (size, seed)", "seeds keeping every skill"],
-                 rows)
+        rows.append(
+            [
+                credit,
+                f"{statistics.fmean(rewards):.3f} ({min(rewards):.3f}–{max(rewards):.3f})",
+                fmt(envelope(runs, "rl_minus_warm_start")),
+                f"{passes(runs, 'rl_minus_warm_start', 0)}/{len(runs)}",
+                fmt(envelope(runs, "rl_minus_best_forced")),
+                f"{sum(f for f, _ in followed)}/{sum(n for _, n in followed)}",
+                f"{sum(r['skills_kept'] for r in runs)}/{len(runs)}",
+            ]
+        )
+    return table(
+        [
+            "credit",
+            "held-out reward after RL (seed range)",
+            "RL − warm start",
+            "seeds gaining",
+            "RL − best forced style",
+            "decision on the oracle's side (size, seed)",
+            "seeds keeping every skill",
+        ],
+        rows,
+    )
 
 
 def width_table(records: list[dict]) -> str:
@@ -126,9 +165,17 @@ def width_table(records: list[dict]) -> str:
             continue
         only = lambda r: [i for i in range(len(r["sizes"])) if i not in both_open(r)]  # noqa: E731
         per_seed = [statistics.fmean(r["clones_per_call"]["RL"][i] for i in only(r)) for r in runs]
-        start = [statistics.fmean(r["clones_per_call"]["warm start"][i] for i in only(r)) for r in runs]
-        rows.append([cost_label(runs[0]), ", ".join(f"{c:.2f}" for c in start),
-                     ", ".join(f"{c:.2f}" for c in per_seed), f"{statistics.fmean(per_seed):.2f}"])
+        start = [
+            statistics.fmean(r["clones_per_call"]["warm start"][i] for i in only(r)) for r in runs
+        ]
+        rows.append(
+            [
+                cost_label(runs[0]),
+                ", ".join(f"{c:.2f}" for c in start),
+                ", ".join(f"{c:.2f}" for c in per_seed),
+                f"{statistics.fmean(per_seed):.2f}",
+            ]
+        )
     return table(["cost", "warm start, per seed", "after RL, per seed", "mean"], rows)
 
 
@@ -139,24 +186,47 @@ def forced_table(records: list[dict]) -> str:
     rows = []
     for seed, r in sorted(starts.items()):
         forced = r["forced"]["warm start"]
-        rows.append([str(seed)] + [f"{d:.2f} / {g:.2f} / {p:.2f}" for d, g, p in
-                                   zip(forced["direct"], forced["delegate"], r["p_delegate"]["warm start"])])
+        rows.append(
+            [str(seed)]
+            + [
+                f"{d:.2f} / {g:.2f} / {p:.2f}"
+                for d, g, p in zip(
+                    forced["direct"], forced["delegate"], r["p_delegate"]["warm start"]
+                )
+            ]
+        )
     return table(["seed"] + [f"{s} keys" for s in sizes], rows)
 
 
 def oracle_table(records: list[dict]) -> str:
     """Each run's oracle per size, judged with the warm start's and with the RL policy's weights."""
-    rows = [[name, credit, str(r["seed"]), "".join(SHORT[o] for o in r["oracle"]),
-             "".join(SHORT[o] for o in r["oracle_rl"]), " ".join(f"{p:.2f}" for p in r["p_delegate"]["RL"])]
-            for (name, credit), runs in by_setting(records).items() for r in runs]
-    return table(["setting", "credit", "seed", "oracle (warm start)", "oracle (RL)", "P(delegate) after RL"], rows)
+    rows = [
+        [
+            name,
+            credit,
+            str(r["seed"]),
+            "".join(SHORT[o] for o in r["oracle"]),
+            "".join(SHORT[o] for o in r["oracle_rl"]),
+            " ".join(f"{p:.2f}" for p in r["p_delegate"]["RL"]),
+        ]
+        for (name, credit), runs in by_setting(records).items()
+        for r in runs
+    ]
+    return table(
+        ["setting", "credit", "seed", "oracle (warm start)", "oracle (RL)", "P(delegate) after RL"],
+        rows,
+    )
 
 
 def main() -> None:
     records = load(Path(sys.argv[1])) if len(sys.argv) > 1 else load()
-    for title, text in [("README", readme_table(records)), ("warm starts: forced direct / forced delegate / "
-                        "P(delegate)", forced_table(records)), ("credit", credit_table(records)),
-                        ("width", width_table(records)), ("oracles", oracle_table(records))]:
+    for title, text in [
+        ("README", readme_table(records)),
+        ("warm starts: forced direct / forced delegate / P(delegate)", forced_table(records)),
+        ("credit", credit_table(records)),
+        ("width", width_table(records)),
+        ("oracles", oracle_table(records)),
+    ]:
         print(f"## {title}\n\n{text}\n")
 
 

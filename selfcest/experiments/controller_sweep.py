@@ -2,9 +2,9 @@
 
 ::
 
-    python -m selfcest.experiments.controller_sweep                       # configs/controller_sweep.yaml
+    python -m selfcest.experiments.controller_sweep         # configs/controller_sweep.yaml
     python -m selfcest.experiments.controller_sweep seeds=[0] 'overrides=[trainer.steps=8]'
-    python -m selfcest.experiments.controller_sweep --config-name controller_main   # make run's section
+    python -m selfcest.experiments.controller_sweep --config-name controller_main  # for make run
 
 Each run is `selfcest.experiments.controller.run` with ``experiment=<setting>
 trainer.seed=<seed> algo.credit.strategy=<credit>`` and the sweep's ``overrides``, written to
@@ -29,9 +29,9 @@ from hydra.core.config_store import ConfigStore
 
 from selfcest.cli import register_schemas
 from selfcest.configure import hydra_app, require, setting
+from selfcest.experiments.common import compose, say
 from selfcest.experiments.controller import POLICIES, refresh, run
 from selfcest.experiments.controller_report import plot_by_size, plot_decisions
-from selfcest.experiments.cpu_repro import compose, say
 from selfcest.templates import environment
 
 
@@ -39,12 +39,17 @@ from selfcest.templates import environment
 class SweepConfig:
     """Which controller runs the sweep makes."""
 
-    experiments: list[str] = setting(help="cost settings (configs/experiment/<name>.yaml), each with the default credit",
-                                     factory=lambda: ["controller_free", "controller_low", "controller",
+    experiments: list[str] = setting(help="cost settings (configs/experiment/<name>.yaml), each "
+                                          "with the default credit",
+                                     factory=lambda: ["controller_free", "controller_low",
+                                                      "controller",
                                                       "controller_latency"])
-    credit_experiment: str = setting("controller", help="the setting the credit strategies are compared on")
-    credits: list[str] = setting(help="credit strategies compared on credit_experiment (the first is the default credit)",
-                                 factory=lambda: ["broadcast", "ratio", "sibling", "counterfactual"])
+    credit_experiment: str = setting("controller",
+                                     help="the setting the credit strategies are compared on")
+    credits: list[str] = setting(help="credit strategies compared on credit_experiment (the first "
+                                      "is the default credit)",
+                                 factory=lambda: ["broadcast", "ratio", "sibling",
+                                                  "counterfactual"])
     seeds: list[int] = setting(help="trainer.seed of each repeat (it also seeds the model's init)",
                                factory=lambda: [0, 1, 2])
     overrides: list[str] = setting(help="key=value overrides applied to every run", factory=list)
@@ -106,8 +111,10 @@ def mean_rows(results: list[dict], policy: str, field: str) -> list[tuple[int, d
     sizes = [row["size"] for row in results[0]["per_size"][policy]]
     series = []
     for i, size in enumerate(sizes):
-        estimates = [r["per_size"][policy][i][field] for r in results if r["per_size"][policy][i][field]]
-        series.append((size, {k: statistics.fmean(e[k] for e in estimates) for k in ("value", "low", "high")}
+        estimates = [r["per_size"][policy][i][field] for r in results
+                     if r["per_size"][policy][i][field]]
+        series.append((size, {k: statistics.fmean(e[k] for e in estimates)
+                              for k in ("value", "low", "high")}
                        if estimates else None))
     return series
 
@@ -129,7 +136,8 @@ def write_summary(out: Path, config: SweepConfig) -> Path:
     records = [run["record"] for runs in results.values() for run in runs if "record" in run]
     if results:
         plots = {"rate": plot_by_size(rate, "P(root delegates)", out / "delegation_rate.png").name,
-                 "branching": plot_by_size(branching, "clones of the first call", out / "branching.png").name,
+                 "branching": plot_by_size(branching, "clones of the first call",
+                                           out / "branching.png").name,
                  "decisions": plot_decisions(records, out / "decisions.png").name}
     records_file = Path(config.results_file or out / "controller_sweep.json")
     records_file.parent.mkdir(parents=True, exist_ok=True)
@@ -171,7 +179,8 @@ def main() -> None:
     """The Hydra app over configs/controller_sweep.yaml."""
     register_schemas()
     ConfigStore.instance().store(name="sweep_schema", node=SweepConfig)
-    hydra_app("controller_sweep", SweepConfig, sweep, program="python -m selfcest.experiments.controller_sweep")
+    hydra_app("controller_sweep", SweepConfig, sweep,
+              program="python -m selfcest.experiments.controller_sweep")
 
 
 if __name__ == "__main__":

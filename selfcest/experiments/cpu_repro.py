@@ -4,10 +4,10 @@ The paper claims that a model trained end to end with clones (1) improves the
 accuracy-cost Pareto frontier over monolithic baselines at matched inference budget and
 (2) generalises out of distribution. This script tests both at laptop scale::
 
-    python -m selfcest.experiments.cpu_repro                              # make run; ~10 min on 2 cores
+    python -m selfcest.experiments.cpu_repro                            # make run; ~10 min, 2 cores
     python -m selfcest.experiments.cpu_repro experiment=cpu_repro_quick   # the test-sized variant
     python -m selfcest.experiments.cpu_repro trainer.steps=40 rollout.budget.node_context=320
-    python -m selfcest.experiments.cpu_repro warm_start.policy=runs/cpu_repro/sft   # reuse a warm start
+    python -m selfcest.experiments.cpu_repro warm_start.policy=runs/cpu_repro/sft  # reuse a start
     python -m selfcest.experiments.cpu_repro trainer.resume=true   # resume a stopped run
 
 A Hydra app like ``selfcest-train`` (``--help`` lists every key): the experiment is
@@ -42,70 +42,39 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from selfcest.budget import Budget
 from selfcest.cli import register_schemas
-from selfcest.configure import compose as compose_config
-from selfcest.configure import ConfigError, hydra_app
+from selfcest.configure import hydra_app
 from selfcest.eval.delegation import delegation_stats
 from selfcest.eval.evaluate import Method, evaluate
-from selfcest.eval.stats import bootstrap_mean
+from selfcest.experiments.common import (
+    check_resume,
+    evaluation_splits,
+    held_out,
+    load_policy,
+    say,
+    timed,
+    train_arm,
+    training_engine,
+    warm_start_folder,
+)
 from selfcest.experiments.report import write_repro_report
-from selfcest.policy import ClonePolicy, default_device
+from selfcest.policy import ClonePolicy
 from selfcest.rewards.base import score_trees
 from selfcest.rollout.backends.base import SamplingParams
-from selfcest.rollout.backends.registry import BackendSettings
 from selfcest.task import Task
 from selfcest.tasks import TASKS, TEACHERS
-from selfcest.train.checkpoint import RESUME_LATEST, RESUME_OFF, config_changes, resolve_resume, saved_config
-from selfcest.train.config import (
-    EvaluationConfig,
-    TrainConfig,
-    held_out_splits,
-    load_split,
-    validate,
-)
-from selfcest.train.logging import read_metrics
-from selfcest.train.setup import (
-    build_policy,
-    build_reward,
-    build_trainer,
-    held_out_tasks,
-    warm_start,
-)
+from selfcest.train.config import EvaluationConfig, TrainConfig, load_split, validate
+from selfcest.train.setup import build_reward
 
 DEFAULT_EXPERIMENT = "cpu_repro"
-
-
-@dataclass
-class HeldOut:
-    """One policy's held-out reward and accuracy under the training sampling and budget."""
-
-    reward: list[float]  # per task, mean over its samples
-    accuracy: list[float]  # per task, fraction of correct samples
-
-    def difference(self, start: HeldOut, resamples: int = 2000, seed: int = 0) -> dict[str, float]:
-        """Mean paired reward difference (self − start) over tasks, with a 95% bootstrap CI."""
-        paired = bootstrap_mean([a - b for a, b in zip(self.reward, start.reward)], resamples, seed=seed)
-        return {"reward": statistics.fmean(self.reward), "start": statistics.fmean(start.reward),
-                "difference": paired.value, "low": paired.low, "high": paired.high,
-                "accuracy": statistics.fmean(self.accuracy),
-                "start_accuracy": statistics.fmean(start.accuracy)}
-
-
-def compose(experiment: str, overrides: list[str]) -> TrainConfig:
-    """The training config of ``experiment`` (configs/experiment/<experiment>.yaml)."""
-    register_schemas()
-    return compose_config("train", [f"experiment={experiment}", *overrides], TrainConfig)
 
 
 def monolithic_view(config: TrainConfig):
@@ -136,64 +105,6 @@ def monolithic_twin(config: TrainConfig) -> TrainConfig:
     return twin
 
 
-def say(message: str) -> None:
-    print(message, flush=True)
-
-
-def serving(config: TrainConfig, policy: ClonePolicy) -> ClonePolicy:
-    """``policy``, decoding with the config's ``rollout.backend`` and its vLLM settings from
-    now on. The hf backend keeps its default batch settings, as evaluations always used
-    (``rollout.max_batch_size`` sizes training's batches; batching can move the last bits)."""
-    policy.serving = BackendSettings(backend=config.rollout.backend, vllm=config.rollout.vllm)
-    return policy
-
-
-def load_policy(config: TrainConfig, folder: Path) -> ClonePolicy:
-    """A saved policy on this process's device (its GPU if there is one), `serving` as configured."""
-    return serving(config, ClonePolicy.from_pretrained(folder, device=default_device()))
-
-
-def train_arm(config: TrainConfig, start: Path, output: Path, view=None, log=say) -> tuple[ClonePolicy, list[dict]]:
-    """GRPO from the warm-start policy saved at ``start``, on the config's tasks seen through
-    ``view`` (None: as they are); the trained policy is saved, and every step's metrics
-    (``output/metrics.jsonl``) returned.
-
-    With ``trainer.resume=true`` an arm continues from its latest checkpoint in ``output``: a
-    stopped arm trains the steps it had left, a finished one none (what differs from the
-    config it was trained under is logged, and refused unless ``trainer.resume_changes``
-    allows it)."""
-    config = copy.deepcopy(config)
-    config.warm_start.policy = str(start)  # the shared warm start already happened
-    config.trainer.output_dir = str(output)
-    checkpoint = resolve_resume(config.trainer.resume, output)
-    if checkpoint is not None:
-        changed = config_changes(saved_config(checkpoint) or {}, asdict(config))
-        differed = f"; its config differed in {', '.join(changed)}" if changed else ""
-        log(f"resuming {output} from {checkpoint.name}{differed}")
-    tasks = {}
-    if view is not None:
-        tasks["train_tasks"] = [view(task) for task in load_split(config.task, "train")]
-        if config.trainer.eval_every:
-            tasks["eval_tasks"] = [view(task) for task in load_split(config.task, "eval")]
-    trainer = build_trainer(config, **tasks)
-    try:
-        ran = trainer.train()
-    finally:
-        trainer.close()
-    if ran or not (output / "policy").exists():
-        trainer.policy.save_pretrained(output / "policy")
-    return serving(config, trainer.policy), read_metrics(output / "metrics.jsonl")
-
-
-@contextmanager
-def timed(timings: dict[str, float], phase: str, log=say):
-    """Time the block into ``timings[phase]`` and say how long it took."""
-    mark = time.perf_counter()
-    yield
-    timings[phase] = time.perf_counter() - mark
-    log(f"{phase} done in {timings[phase]:.0f}s")
-
-
 def validation_score(config: TrainConfig) -> Callable[[ClonePolicy], float] | None:
     """The score SFT checkpoints are kept by: the lower of the two arms' greedy accuracy on
     the first ``warm_start.validation_tasks`` tasks of the training split (never demonstrated:
@@ -216,33 +127,6 @@ def validation_score(config: TrainConfig) -> Callable[[ClonePolicy], float] | No
         return min(accuracies)
 
     return score
-
-
-def warm_start_folder(config: TrainConfig, folder: Path, log=say, score=None) -> Path:
-    """The warm-start policy saved in ``folder``: trained by SFT from a fresh model (validated
-    by ``score`` if given, `selfcest.train.sft.train_sft`), copied from ``warm_start.policy``
-    when that names an earlier one (with its ``sft.jsonl``), or, under
-    ``trainer.resume=true``, the one an earlier run finished in ``folder``."""
-    warm_started = config.warm_start.policy
-    if warm_started is None and resuming(config) and (folder / "sft.jsonl").exists():  # written last
-        log(f"reusing the warm start in {folder}")
-    elif warm_started is None:
-        policy = build_policy(config)
-        steps = config.warm_start.sft.steps
-
-        def progress(step: int, metrics: dict) -> None:
-            if "sft/validation" in metrics:
-                log(f"warm start: SFT step {step}/{steps}, validation {metrics['sft/validation']:.3f}")
-            elif step % max(1, steps // 10) == 0 or step == steps:
-                log(f"warm start: SFT step {step}/{steps}, loss {metrics['sft/loss']:.3f}")
-
-        history = warm_start(policy, config, held_out_tasks(config), log=progress, score=score)
-        policy.save_pretrained(folder)
-        with open(folder / "sft.jsonl", "w") as sft_log:
-            sft_log.writelines(json.dumps({"step": n, **m}) + "\n" for n, m in enumerate(history, 1))
-    elif Path(warm_started).resolve() != folder.resolve():
-        shutil.copytree(warm_started, folder, dirs_exist_ok=True)
-    return folder
 
 
 def run(config: TrainConfig, log=say) -> dict:
@@ -270,13 +154,15 @@ def run(config: TrainConfig, log=say) -> dict:
     with timed(timings, "GRPO, clones", log):
         clones, clones_history = train_arm(config, out / "sft", out / "clones")
     with timed(timings, "GRPO, monolithic", log):
-        mono, mono_history = train_arm(twin, out / "sft", out / "monolithic", monolithic_view(config))
+        mono, mono_history = train_arm(twin, out / "sft", out / "monolithic",
+                                       monolithic_view(config))
 
     with timed(timings, "held-out reward", log):
         sft = load_policy(config, out / "sft")
         tasks = evaluation_splits(config, settings)["in-distribution"]
         heldout = {
-            "clones": held_out(config, clones, tasks, settings).difference(held_out(config, sft, tasks, settings)),
+            "clones": held_out(config, clones, tasks, settings).difference(
+                held_out(config, sft, tasks, settings)),
             "monolithic": held_out(twin, mono, _view(config, tasks), settings).difference(
                 held_out(twin, sft, _view(config, tasks), settings)),
         }
@@ -292,27 +178,8 @@ def run(config: TrainConfig, log=say) -> dict:
     return {"timings": timings, "report": str(report), "results": results, "heldout": heldout}
 
 
-def resuming(config: TrainConfig) -> bool:
-    """Whether ``trainer.resume`` asks each run to continue from its latest checkpoint."""
-    return config.trainer.resume in RESUME_LATEST
-
-
-def check_resume(config: TrainConfig) -> None:
-    """Several runs share one ``trainer.resume``: each resumes from its own latest checkpoint
-    (true) or none (false); one checkpoint path cannot serve them all."""
-    if config.trainer.resume not in (*RESUME_OFF, *RESUME_LATEST):
-        raise ConfigError(f"trainer.resume={config.trainer.resume!r}: each run of this experiment resumes "
-                          "from its own latest checkpoint; use trainer.resume=true")
-
-
-def training_engine(config: TrainConfig, policy: ClonePolicy, seed: int):
-    """An engine that samples as training does: the rollout budget, temperature, top-p, top-k."""
-    rollout = config.rollout
-    return policy.engine(rollout.budget, SamplingParams(rollout.temperature, rollout.top_p, rollout.top_k),
-                         seed=seed)
-
-
-def warm_start_check(config: TrainConfig, settings: EvaluationConfig, folder: Path) -> dict[str, dict]:
+def warm_start_check(config: TrainConfig, settings: EvaluationConfig,
+                     folder: Path) -> dict[str, dict]:
     """How the warm start saved in ``folder`` delegates before RL (`delegation_stats`: spawn
     calls that parse, roots that delegate, clones that answer as the teacher would), on each
     held-out split sampled as training samples (clone arm's budget and temperature,
@@ -332,29 +199,8 @@ def warm_start_check(config: TrainConfig, settings: EvaluationConfig, folder: Pa
     return checked
 
 
-def evaluation_splits(config: TrainConfig, settings: EvaluationConfig) -> dict[str, list[Task]]:
-    """The first ``tasks_per_split`` tasks of the held-out splits (``task.eval_params``, and
-    ``task.ood_params`` when given); neither the warm start nor RL ever sees them."""
-    names = {"eval": "in-distribution", "ood": "out-of-distribution"}
-    n = settings.tasks_per_split
-    return {names[split]: load_split(config.task, split)[:n] for split in held_out_splits(config.task)}
-
-
-def held_out(config: TrainConfig, policy: ClonePolicy, tasks: list, settings: EvaluationConfig) -> HeldOut:
-    """The policy's reward on held-out tasks as training samples it: same temperature, same
-    budget, ``reward_samples`` trees per task (what RL optimises, measured on new tasks)."""
-    engine = training_engine(config, policy, seed=config.trainer.seed + 1)
-    trees = engine.rollout(tasks, samples_per_task=settings.reward_samples)
-    score_trees(trees, tasks, build_reward(config))
-    reward, accuracy = [], []
-    for i in range(len(tasks)):
-        group = [t for t in trees if t.task_index == i]
-        reward.append(statistics.fmean(t.reward for t in group))
-        accuracy.append(statistics.fmean(float(t.correct) for t in group))
-    return HeldOut(reward, accuracy)
-
-
-def evaluate_arms(config: TrainConfig, settings: EvaluationConfig, sft: ClonePolicy, clones: ClonePolicy,
+def evaluate_arms(config: TrainConfig, settings: EvaluationConfig, sft: ClonePolicy,
+                  clones: ClonePolicy,
                   mono: ClonePolicy, out: Path):
     """Every method at every budget on the held-out in-distribution and OOD tasks."""
     splits = evaluation_splits(config, settings)
@@ -380,7 +226,8 @@ def evaluate_arms(config: TrainConfig, settings: EvaluationConfig, sft: ClonePol
 def main() -> None:
     """The Hydra app: ``experiment=`` defaults to cpu_repro."""
     register_schemas()
-    hydra_app("train", TrainConfig, run, program="python -m selfcest.experiments.cpu_repro", defaults=[f"experiment={DEFAULT_EXPERIMENT}"])
+    hydra_app("train", TrainConfig, run, program="python -m selfcest.experiments.cpu_repro",
+              defaults=[f"experiment={DEFAULT_EXPERIMENT}"])
 
 
 if __name__ == "__main__":

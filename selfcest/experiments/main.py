@@ -22,7 +22,8 @@ from pathlib import Path
 
 JOBS = {
     "cpu_repro": (["-m", "selfcest.experiments.cpu_repro"], Path("runs/cpu_repro")),
-    "controller": (["-m", "selfcest.experiments.controller_sweep", "--config-name", "controller_main"],
+    "controller": (["-m", "selfcest.experiments.controller_sweep", "--config-name",
+                    "controller_main"],
                    Path("runs/controller_main")),
 }
 
@@ -41,9 +42,11 @@ def main() -> int:
     running = []
     for name, (args, folder) in JOBS.items():
         folder.mkdir(parents=True, exist_ok=True)
-        process = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        process = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT,
                                    text=True, bufsize=1)
-        echo = threading.Thread(target=_echo, args=(name, process, folder / f"{name}.log"), daemon=True)
+        echo = threading.Thread(target=_echo, args=(name, process, folder / f"{name}.log"),
+                                daemon=True)
         echo.start()
         running.append((name, process, echo, folder))
     codes = []

@@ -22,7 +22,8 @@ from selfcest.tasks import TASKS
 from selfcest.templates import environment
 from selfcest.train.config import TrainConfig
 
-CLONES, MONO, CLONES_SFT, MONO_SFT = "clones", "monolithic", "clones (SFT start)", "monolithic (SFT start)"
+CLONES, MONO = "clones", "monolithic"
+CLONES_SFT, MONO_SFT = "clones (SFT start)", "monolithic (SFT start)"
 
 _ENVIRONMENT = environment(html=False)  # Markdown: text, nothing escaped
 _ENVIRONMENT.filters["json"] = json.dumps
@@ -37,7 +38,8 @@ def paired_difference(results: EvalResults, out: Path, a: str, b: str, budget: i
         return task_correctness(read_trees(out / cell.trees_file))
 
     left, right = correct(a), correct(b)
-    paired = bootstrap_mean([left[task] - right[task] for task in sorted(left)], resamples, seed=seed)
+    paired = bootstrap_mean([left[task] - right[task] for task in sorted(left)], resamples,
+                            seed=seed)
     return paired.value, paired.low, paired.high
 
 
@@ -60,7 +62,8 @@ def training_curves(histories: dict[str, list[dict]], path: Path) -> Path:
     return path
 
 
-def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settings, results: EvalResults,
+def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settings,
+                       results: EvalResults,
                        heldout: dict[str, dict[str, float]], clones_history: list[dict],
                        mono_history: list[dict], timings: dict[str, float],
                        warm_start: dict[str, dict] | None = None) -> Path:
@@ -77,7 +80,8 @@ def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settin
     sc = f"sc@{settings.sc_samples}"
     text = _ENVIRONMENT.get_template("repro_report.md.j2").render(
         config=config, twin=twin, settings=settings, results=results, heldout=heldout,
-        timings=timings, warm_start=warm_start or {}, training_budget=training_budget, budget=budget, sc=sc,
+        timings=timings, warm_start=warm_start or {}, training_budget=training_budget,
+        budget=budget, sc=sc,
         built_locally=config.model.name in SIZES, curves=curves.name,
         clone_view=TASKS[config.task.name].clone_view,
         against_start=_against_start(results, eval_dir, budget),
@@ -101,7 +105,9 @@ def rl_verdict(value: float, low: float, high: float, start_accuracy: float) -> 
         return "loses"
     if low == high:
         return "no change: every task scored the same before and after RL"
-    return (f"no resolved change: {value:+.3f} is within the interval's half-width {(high - low) / 2:.3f} "
+    half_width = (high - low) / 2
+    return (f"no resolved change: {value:+.3f} is within the interval's half-width "
+            f"{half_width:.3f} "
             f"(the SFT start left {1 - start_accuracy:.2f} of accuracy to gain)")
 
 
@@ -127,12 +133,15 @@ def _dominance(results: EvalResults, sc: str) -> list[tuple[str, str, bool, bool
 def _leads(results: EvalResults, eval_dir: Path, sc: str) -> list[tuple]:
     """Per split and budget: the three methods' accuracies and the clone arm's paired lead
     over each baseline."""
-    return [(split, each, *(results.cell(m, each, split).accuracy.value for m in (CLONES, MONO, sc)),
-             *(paired_difference(results, eval_dir, CLONES, other, each, split) for other in (MONO, sc)))
+    return [(split, each,
+             *(results.cell(m, each, split).accuracy.value for m in (CLONES, MONO, sc)),
+             *(paired_difference(results, eval_dir, CLONES, other, each, split)
+               for other in (MONO, sc)))
             for split in results.splits for each in results.budgets]
 
 
-def _examples(config: TrainConfig, results: EvalResults, eval_dir: Path, budget: int) -> list[tuple[str, str]]:
+def _examples(config: TrainConfig, results: EvalResults, eval_dir: Path,
+              budget: int) -> list[tuple[str, str]]:
     """The first clone-arm tree of each split as text, for the report; the first five of each
     go to ``eval/trace.html``."""
     examples, shown = [], []
@@ -140,5 +149,6 @@ def _examples(config: TrainConfig, results: EvalResults, eval_dir: Path, budget:
         trees = read_trees(eval_dir / results.cell(CLONES, budget, split).trees_file)
         examples.append((split, trees[0].pretty(160)))
         shown += trees[:5]
-    (eval_dir / "trace.html").write_text(render_html(shown, title=f"{config.name}: clone-arm trees"))
+    (eval_dir / "trace.html").write_text(render_html(shown,
+                                                     title=f"{config.name}: clone-arm trees"))
     return examples

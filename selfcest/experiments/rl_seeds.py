@@ -14,7 +14,7 @@ A Hydra app over the training config (``--help`` lists every key): the RL seeds 
 ``trainer.seed`` and the ``eval.seeds - 1`` after it; the held-out tasks are
 ``eval.tasks_per_split`` per split (``task.ood_params=null`` leaves out the out-of-distribution
 one), each sampled ``eval.reward_samples`` times at the training temperature, as
-`selfcest.experiments.cpu_repro.held_out` does.
+`selfcest.experiments.common.held_out` does.
 
 Writes ``report.md`` and ``results.json`` under ``trainer.output_dir``: per seed and split
 the held-out reward and its paired difference to the warm start with a 95% bootstrap
@@ -42,9 +42,17 @@ from pathlib import Path
 from selfcest.cli import register_schemas
 from selfcest.configure import ConfigError, hydra_app
 from selfcest.eval.stats import bootstrap_mean
-from selfcest.experiments.cpu_repro import check_resume, evaluation_splits, held_out, load_policy, say, train_arm
+from selfcest.experiments.common import (
+    check_resume,
+    evaluation_splits,
+    held_out,
+    load_policy,
+    say,
+    train_arm,
+)
 from selfcest.task import Task
 from selfcest.train.config import TrainConfig
+
 
 def train_seed(base: TrainConfig, warm_started: Path, splits: dict[str, list[Task]], seed: int,
                folder: Path) -> tuple[dict, dict[str, list[float]]]:
@@ -58,7 +66,8 @@ def train_seed(base: TrainConfig, warm_started: Path, splits: dict[str, list[Tas
     policy, history = train_arm(config, warm_started, folder)
     row = {"seed": seed, "seconds": time.perf_counter() - mark,
            "train_reward_last4": statistics.fmean(h["reward/mean"] for h in history[-4:])}
-    rewards = {name: held_out(config, policy, tasks, base.eval).reward for name, tasks in splits.items()}
+    rewards = {name: held_out(config, policy, tasks, base.eval).reward for name,
+               tasks in splits.items()}
     row.update({f"heldout/{name}": statistics.fmean(values) for name, values in rewards.items()})
     return row, rewards
 
@@ -86,16 +95,19 @@ def run(base: TrainConfig, log=say) -> dict:
     start = reuse(start_file, measured_under, log)
     if start is None:
         sft = load_policy(base, warm_started)
-        start = {name: held_out(base, sft, tasks, settings).reward for name, tasks in splits.items()}
+        start = {name: held_out(base, sft, tasks, settings).reward for name,
+                 tasks in splits.items()}
         del sft  # each seed loads its own copy of the warm start
         keep(start_file, measured_under, start)
     rows, per_task = [], {name: [] for name in splits}
-    for seed in seeds:  # results.json is rewritten after each seed: a stopped run keeps what it measured
+    # results.json is rewritten after each seed: a stopped run keeps what it measured
+    for seed in seeds:
         seed_file = out / f"seed{seed}" / "result.json"
         finished = reuse(seed_file, measured_under, log)
         if finished is None:
             row, rewards = train_seed(base, warm_started, splits, seed, out / f"seed{seed}")
-            row["gain"] = {name: paired(rewards[name], start[name], settings.bootstrap_samples) for name in splits}
+            row["gain"] = {name: paired(rewards[name], start[name], settings.bootstrap_samples)
+                           for name in splits}
             keep(seed_file, measured_under, {"row": row, "rewards": rewards})
         else:
             row, rewards = finished["row"], finished["rewards"]
@@ -120,7 +132,8 @@ def fingerprint(base: TrainConfig) -> dict:
 
 def keep(path: Path, measured_under: dict, measured: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")  # renamed when whole: a stop mid-write leaves no half file
+    # renamed when whole: a stop mid-write leaves no half file
+    partial = path.with_suffix(".partial")
     partial.write_text(json.dumps({"config": measured_under, "measured": measured}))
     partial.replace(path)
 
@@ -137,13 +150,15 @@ def reuse(path: Path, measured_under: dict, log) -> dict | None:
     return kept["measured"]
 
 
-def summarise(base: TrainConfig, seeds: list[int], rows: list[dict], per_task: dict[str, list[list[float]]],
+def summarise(base: TrainConfig, seeds: list[int], rows: list[dict],
+              per_task: dict[str, list[list[float]]],
               start: dict[str, list[float]]) -> dict:
     """The runs so far, and per split the gain of the seeds' mean policy reward over the warm
     start and the spread of the seeds' means."""
     settings = base.eval
     summary = {name: {"start": statistics.fmean(start[name]),
-                      "gain_of_seed_mean": paired([statistics.fmean(v) for v in zip(*seeds_rewards)], start[name],
+                      "gain_of_seed_mean": paired([statistics.fmean(v)
+                                                   for v in zip(*seeds_rewards)], start[name],
                                                   settings.bootstrap_samples),
                       "seed_std": spread([statistics.fmean(v) for v in seeds_rewards])}
                for name, seeds_rewards in per_task.items()}
@@ -165,15 +180,19 @@ def report(results: dict) -> str:
     lines = [f"# RL seeds from one warm start: {results['experiment']}", "",
              f"Held-out: {results['tasks_per_split']} tasks per split, {results['reward_samples']} "
              "trees each at the training temperature; 95% bootstrap intervals over tasks.", "",
-             "| seed | split | held-out reward | gain over warm start | training reward, last 4 steps | seconds |",
+             "| seed | split | held-out reward | gain over warm start | training reward, last 4 "
+             "steps | seconds |",
              "|---|---|---|---|---|---|"]
     for row in results["runs"]:
         for name, gain in row["gain"].items():
-            lines.append(f"| {row['seed']} | {name} | {row[f'heldout/{name}']:.3f} | {interval(gain)} | "
-                         f"{row['train_reward_last4']:.3f} | {row['seconds']:.0f} |")
-    lines += ["", "| split | warm start | gain of the seeds' mean | std of the seeds' means |", "|---|---|---|---|"]
+            lines.append(f"| {row['seed']} | {name} | {row[f'heldout/{name}']:.3f} | "
+                         f"{interval(gain)} | {row['train_reward_last4']:.3f} | "
+                         f"{row['seconds']:.0f} |")
+    lines += ["", "| split | warm start | gain of the seeds' mean | std of the seeds' means |",
+              "|---|---|---|---|"]
     for name, row in results["summary"].items():
-        lines.append(f"| {name} | {row['start']:.3f} | {interval(row['gain_of_seed_mean'])} | {row['seed_std']:.3f} |")
+        lines.append(f"| {name} | {row['start']:.3f} | {interval(row['gain_of_seed_mean'])} | "
+                     f"{row['seed_std']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -115,7 +115,8 @@ def load_reward(spec: str, kwargs: Mapping[str, Any] | None = None) -> RewardFn:
     if not inspect.isclass(target) and _accepts(target, 2):
         if kwargs:
             raise ValueError(f"reward spec {spec!r}: a (tree, task) reward takes no arguments; "
-                             f"got reward_params {sorted(kwargs)} (a keyword-only factory can take them)")
+                             f"got reward_params {sorted(kwargs)} (a keyword-only factory can take "
+                             "them)")
         return target
     if not _accepts(target, 0, dict(kwargs or {})):
         raise ValueError(
@@ -205,7 +206,7 @@ def score_trees(
         tree.correct = bool(result.correct)
         tree.node_rewards = None if result.node_rewards is None else dict(result.node_rewards)
         tree.info.update(result.info)
-        tree.info["malformed_nodes"] = list(result.malformed)
+        tree.info[CloneTree.MALFORMED_KEY] = list(result.malformed)
         results.append(result)
     return results
 

@@ -61,7 +61,8 @@ class ComposedReward:
     # "tree": a well-formed clone's reward is clone_scale * the tree's score (the reference);
     # "own": clone_scale * the scorer's score of the clone's own answer against what its
     # task source says it should answer from its objective and keys (`TaskSource.clone_answer`:
-    # keyed_sum, reasoning-gym chain_sum; the tree's score where the source does not say). Only credit strategies that read node rewards (ratio,
+    # keyed_sum, reasoning-gym chain_sum; the tree's score where the source does not say). Only
+    # credit strategies that read node rewards (ratio,
     # sibling) see the difference.
     clone_reward: str = "tree"
 

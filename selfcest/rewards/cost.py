@@ -156,7 +156,8 @@ def cost_terms(tree: CloneTree, config: CostConfig) -> dict[str, float]:
     if config.spawn_calls is not None:
         terms["cost/spawn_calls"] = config.spawn_calls(len(tree.root.spawns))
     costs = None
-    if config.per_token or config.per_processed_token or config.per_critical_path_token or config.per_clone:
+    if (config.per_token or config.per_processed_token or config.per_critical_path_token
+            or config.per_clone):
         costs = tree.costs()
     if config.per_token:
         terms["cost/tokens"] = config.per_token * costs.generated_tokens

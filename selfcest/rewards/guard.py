@@ -43,15 +43,18 @@ class RewardProcess:
     def __init__(self, spec: str, params: Mapping[str, Any] | None, timeout_s: float,
                  startup_timeout_s: float = 120.0) -> None:
         self.timeout_s = timeout_s
-        self._worker = LineWorker("selfcest.rewards._reward_worker", (spec, json.dumps(dict(params or {}))),
+        self._worker = LineWorker("selfcest.rewards._reward_worker",
+                                  (spec, json.dumps(dict(params or {}))),
                                   startup_timeout_s=startup_timeout_s, stderr=None)
 
     def __call__(self, tree: CloneTree, task: Task) -> RewardResult:
         try:
-            response = self._worker.ask({"tree": tree.to_dict(), "task": task.to_dict()}, self.timeout_s)
+            response = self._worker.ask({"tree": tree.to_dict(), "task": task.to_dict()},
+                                        self.timeout_s)
         except WorkerTimeout:
-            raise RewardTimeout(f"the reward took over {self.timeout_s:g} s (task.reward_timeout_s) and was "
-                                "cut off; its worker restarts") from None
+            raise RewardTimeout(f"the reward took over {self.timeout_s:g} s "
+                                "(task.reward_timeout_s) and was cut off; its worker "
+                                "restarts") from None
         except WorkerLost as error:
             raise RewardFailed(f"the reward's worker process died ({error}); it restarts") from None
         if "failed" in response:

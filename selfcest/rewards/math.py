@@ -89,7 +89,8 @@ class MathVerifier:
         self.timeout_s = timeout_s  # seconds one comparison may take
         self.max_answer_chars = max_answer_chars  # longer answers are wrong unparsed
         self.max_digits = max_digits  # larger parsed values are wrong unverified
-        self._worker = LineWorker("selfcest.rewards._math_worker", startup_timeout_s=startup_timeout_s)
+        self._worker = LineWorker("selfcest.rewards._math_worker",
+                                  startup_timeout_s=startup_timeout_s)
 
     @property
     def restarts(self) -> int:
@@ -110,7 +111,8 @@ class MathVerifier:
         try:
             response = self._worker.ask(request, self.timeout_s)
         except WorkerTimeout:
-            logger.warning("math-verify took over %.1f s on %r; worker restarted", self.timeout_s, prediction[:80])
+            logger.warning("math-verify took over %.1f s on %r; worker restarted", self.timeout_s,
+                           prediction[:80])
             return "timeout"
         except WorkerLost as error:
             logger.warning("math-verify worker lost (%s); restarting", error)

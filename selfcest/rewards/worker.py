@@ -83,9 +83,11 @@ class LineWorker:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         self._process = subprocess.Popen(
             [sys.executable, "-m", self.module, *self.args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1, env=env)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1,
+            env=env)
         self._lines = queue.Queue()
-        threading.Thread(target=_pump, args=(self._process.stdout, self._lines), daemon=True).start()
+        threading.Thread(target=_pump, args=(self._process.stdout, self._lines),
+                         daemon=True).start()
         try:
             ready = self._lines.get(timeout=self.startup_timeout_s)
         except queue.Empty:

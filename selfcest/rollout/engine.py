@@ -90,7 +90,8 @@ class RolloutEngine:
         await asyncio.gather(*(self._run_root(run) for run in runs))
         return [run.tree for run in runs]
 
-    def rerun_without(self, tree: CloneTree, task: Task, clone_id: str, samples: int) -> list[CloneTree]:
+    def rerun_without(self, tree: CloneTree, task: Task, clone_id: str,
+                      samples: int) -> list[CloneTree]:
         """Counterfactual re-runs: the root resumes from the spawn call that started
         ``clone_id`` (a depth-1 clone), reading a null result in its place, ``samples`` times.
 
@@ -123,7 +124,8 @@ class RolloutEngine:
             allowance = Allowance(cap=self.budget.node_generation, pool=self.budget.tree_generation,
                                   own=root.generated_tokens,
                                   descendants=sum(n.generated_tokens for n in copy.clones()))
-            run = _TreeRun(tree=copy, task=task, clones=len(copy.clones()), salt=f"cf:{clone_id}:{k}")
+            run = _TreeRun(tree=copy, task=task, clones=len(copy.clones()),
+                           salt=f"cf:{clone_id}:{k}")
             copies.append(copy)
             runs.append(self._run_node(run, root, allowance, self._results(copy, spawn, clone_id)))
         await asyncio.gather(*runs)
@@ -237,7 +239,8 @@ class RolloutEngine:
     def _seed(self, run: _TreeRun, node_id: str, call: int) -> int:
         """A per-call seed that does not depend on what else the backend batches with it."""
         tree = run.tree
-        key = f"{self.seed}:{tree.task_index}:{tree.sample_index}:{node_id}:{call}:{run.salt}".encode()
+        key = (f"{self.seed}:{tree.task_index}:{tree.sample_index}:{node_id}:{call}:"
+               f"{run.salt}").encode()
         return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
     @staticmethod
@@ -276,7 +279,8 @@ class RolloutEngine:
             self._inject(node, [CloneResult(error=parsed.reason)], kind="notice")
             return
         verdicts = self._admit(run, node, parsed)
-        accepted = [(i, req, prompt) for i, (req, prompt, error) in enumerate(verdicts) if not error]
+        accepted = [(i, req, prompt) for i, (req, prompt, error) in enumerate(verdicts)
+                    if not error]
         pools = clone_pools(allowance.pool_left, [req.max_tokens for _, req, _ in accepted],
                             own_left=allowance.cap - allowance.own)
         refusals = [error for _, _, error in verdicts]
@@ -305,7 +309,8 @@ class RolloutEngine:
             allowance.settle(pool, child_allowance)
         self._inject(node, self._results(run.tree, spawn), kind="return")
 
-    def _results(self, tree: CloneTree, spawn: Spawn, nulled: str | None = None) -> list[CloneResult]:
+    def _results(self, tree: CloneTree, spawn: Spawn, nulled: str
+                 | None = None) -> list[CloneResult]:
         """What the parent reads after ``spawn``, in objective order (``nulled``: that clone's
         answer replaced by a null result)."""
         errors = iter(spawn.errors)

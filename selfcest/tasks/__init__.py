@@ -68,10 +68,12 @@ def _mix_sources(sources: Any, key: str) -> list[tuple[Any, Mapping[str, Any]]]:
     names (``aime: {...}``, which a command line can address as ``sources.aime.params.path``).
     Each source is ``{name, params, repeat}``; errors name ``key.label``."""
     if not isinstance(sources, (list, tuple, Mapping)):
-        raise ValueError(f"{key} must be a list or a mapping of {{name, params, repeat}}; got {sources!r}")
+        raise ValueError(f"{key} must be a list or a mapping of {{name, params, repeat}}; got "
+                         f"{sources!r}")
     pairs = list(sources.items() if isinstance(sources, Mapping) else enumerate(sources))
     for label, source in pairs:
-        unknown = set(source) - {"name", "params", "repeat"} if isinstance(source, Mapping) else set()
+        unknown = (set(source) - {"name", "params", "repeat"} if isinstance(source, Mapping)
+                   else set())
         if not isinstance(source, Mapping) or "name" not in source or unknown:
             raise ValueError(f"{key}.{label} must be {{name, params, repeat}}; got {source!r}")
     return pairs
@@ -176,8 +178,10 @@ def _check_mix(sources: Any, key: str) -> None:
         if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
             raise ValueError(f"{where}.repeat must be a whole number >= 1; got {repeat!r}")
         if source["name"] not in TASKS:
-            raise ValueError(f"{where}.name: unknown task source {source['name']!r}; known: {', '.join(TASKS)}")
-        check_params(source["name"], source.get("params") or {}, lambda arg: f"{where}.params.{arg}")
+            raise ValueError(f"{where}.name: unknown task source {source['name']!r}; known: "
+                             f"{', '.join(TASKS)}")
+        check_params(source["name"], source.get("params") or {},
+                     lambda arg: f"{where}.params.{arg}")
 
 
 def _fits(value: Any, hint: Any) -> bool:

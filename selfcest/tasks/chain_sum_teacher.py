@@ -150,7 +150,8 @@ class ChainSumTeacher:
         if self.min_delegate_terms < 2:
             raise ValueError(f"min_delegate_terms must be >= 2, got {self.min_delegate_terms}")
         if self.max_pieces < 2:
-            raise ValueError(f"max_pieces must be >= 2 (a delegating root spawns 2+ clones), got {self.max_pieces}")
+            raise ValueError("max_pieces must be >= 2 (a delegating root spawns 2+ clones), got "
+                             f"{self.max_pieces}")
         if not self.objective_prefix.strip():
             raise ValueError("objective_prefix must be a word, got an empty string")
         self._rng = random.Random(self.seed)
@@ -158,7 +159,8 @@ class ChainSumTeacher:
     def __call__(self, prompt: str) -> str:
         user = _USER.search(prompt)
         if user is None:
-            raise ValueError(f"ChainSumTeacher: no ChatML user message in the prompt {prompt[-200:]!r}")
+            raise ValueError("ChainSumTeacher: no ChatML user message in the prompt "
+                             f"{prompt[-200:]!r}")
         # The question is the first user message; what follows it is the node's own turns
         # and the tool responses (templates without a tool role render them as user messages).
         question = user.group(1).strip()
@@ -172,7 +174,8 @@ class ChainSumTeacher:
         # A root may delegate only where its prompt offers the tool (a root that may not
         # spawn is shown none, see ToolCallProtocol.root_prompt).
         offered = self.tool_name in prompt[: user.start()]
-        if offered and not is_clone and len(terms) >= self.min_delegate_terms and self._rng.random() < self.delegate:
+        if offered and not is_clone and len(
+            terms) >= self.min_delegate_terms and self._rng.random() < self.delegate:
             # No draw when repair is off, so existing configs keep their demonstrations.
             if self.repair and self._rng.random() < self.repair:
                 return self._spawn(terms, malformed=self._rng.choice(sorted(MALFORMED)))
@@ -188,7 +191,8 @@ class ChainSumTeacher:
     def _spawn(self, terms: Sequence[int], malformed: str | None = None) -> str:
         most = min(self.max_pieces, len(terms))
         count = 2 if most == 2 else self._rng.randint(2, most)  # no draw for halves
-        objectives = [f"{self.objective_prefix} {write_chain(piece)}" for piece in pieces(terms, count)]
+        objectives = [f"{self.objective_prefix} {write_chain(piece)}"
+                      for piece in pieces(terms, count)]
         call = json.dumps({"name": "spawn_clone", "arguments": {"objectives": objectives}})
         if malformed is not None:
             call = MALFORMED[malformed](call)

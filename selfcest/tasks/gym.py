@@ -64,7 +64,8 @@ def gym_tasks(name: str, size: int, seed: int = 0, **config: Any) -> list[Task]:
 GYM_SPLIT_SEEDS = {"train": 0, "test": 1_000_000, "ood": 2_000_000}
 
 
-def load_gym(dataset: str, size: int, seed: int = 0, split: str = "train", **config: Any) -> list[Task]:
+def load_gym(dataset: str, size: int, seed: int = 0, split: str = "train",
+             **config: Any) -> list[Task]:
     """``size`` tasks of ``split`` ("train", "test" or "ood": seeds a million apart) of the
     reasoning-gym ``dataset`` (the task source ``gym``)."""
     if split not in GYM_SPLIT_SEEDS:

@@ -38,7 +38,8 @@ def row_problem(where: str, reason: str, skipped: list[str] | None) -> None:
 MAX_LINE_BYTES = 4 << 20
 
 
-def read_records(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, Any]]:
+def read_records(path: str | Path,
+                 max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, Any]]:
     """Yield ``(where, record)`` for each record of a JSON array, JSONL or parquet file.
 
     ``where`` names the file and the 1-based row (the line for JSONL) for error messages.
@@ -66,7 +67,8 @@ def read_records(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iter
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as error:
-            yield where, MalformedRowError(f"not valid UTF-8 (byte {line[error.start]:#04x} at column {error.start + 1})")
+            yield where, MalformedRowError(f"not valid UTF-8 (byte {line[error.start]:#04x} at "
+                                           f"column {error.start + 1})")
             continue
         if not text.strip():
             continue
@@ -89,8 +91,8 @@ def _lines(path: Path, limit: int) -> Iterator[tuple[int, bytes | MalformedRowEr
                 while line and not line.endswith(b"\n"):
                     line = stream.readline(1 << 20)
                     size += len(line)
-                yield n, MalformedRowError(f"a line of {size} bytes, over the {limit} a row may take "
-                                           "(task.params.max_line_bytes)")
+                yield n, MalformedRowError(f"a line of {size} bytes, over the {limit} a row may "
+                                           "take (task.params.max_line_bytes)")
                 continue
             yield n, line
 
@@ -101,7 +103,8 @@ def _json_array(path: Path) -> Iterator[tuple[str, Any]]:
         records = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as error:
         line = data[: error.start].count(b"\n") + 1
-        raise MalformedRowError(f"{path} line {line}: not valid UTF-8 (byte {data[error.start]:#04x})") from None
+        raise MalformedRowError(f"{path} line {line}: not valid UTF-8 (byte "
+                                f"{data[error.start]:#04x})") from None
     except json.JSONDecodeError as error:
         raise MalformedRowError(f"{path}: not a valid JSON array ({error})") from None
     for n, record in enumerate(records, 1):
@@ -145,10 +148,12 @@ def load_jsonl(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> list[T
         if not str(record["answer"]).strip():
             raise MalformedRowError(f"{where}: empty answer")
         if not isinstance(record["prompt"], str) or not record["prompt"].strip():
-            raise MalformedRowError(f"{where}: the prompt must be a non-empty string; got {record['prompt']!r:.80}")
+            raise MalformedRowError(f"{where}: the prompt must be a non-empty string; got "
+                                    f"{record['prompt']!r:.80}")
         context = record.get("context", {})
         if not isinstance(context, dict) or not all(isinstance(v, str) for v in context.values()):
-            raise MalformedRowError(f"{where}: the context must be an object of texts; got {context!r:.80}")
+            raise MalformedRowError(f"{where}: the context must be an object of texts; got "
+                                    f"{context!r:.80}")
         tasks.append(Task.from_dict(record))
     if not tasks:
         raise MalformedRowError(f"{path}: no task in it (an empty file?)")

@@ -65,7 +65,8 @@ class KeyedSumConfig:
         if self.modulus < 0:
             raise ValueError(f"modulus must be >= 0 (0: no modulus), got {self.modulus}")
         if self.letter_keys and self.num_keys > len(KEY_LETTERS):
-            raise ValueError(f"letter_keys allows at most {len(KEY_LETTERS)} keys, got {self.num_keys}")
+            raise ValueError(f"letter_keys allows at most {len(KEY_LETTERS)} keys, got "
+                             f"{self.num_keys}")
         if self.min_value > self.max_value:
             raise ValueError(f"min_value {self.min_value} > max_value {self.max_value}")
         if not _PREFIX.fullmatch(self.key_prefix):

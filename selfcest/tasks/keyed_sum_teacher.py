@@ -69,7 +69,8 @@ def solve_lists(lists: Sequence[tuple[str, Sequence[int]]], answer_width: int = 
             lines.append(f"{key} {' '.join(map(str, values))} {steps}")
         return "\n".join(lines) + f"\nAnswer: {total:0{answer_width}d}{_END}"
     if modulus:
-        raise ValueError("the per_list style demonstrates plain sums; use the copy style with a modulus")
+        raise ValueError("the per_list style demonstrates plain sums; use the copy style with a "
+                         "modulus")
     lines, totals = [], []
     for key, values in lists:
         steps, total = running_sum(values)
@@ -159,7 +160,8 @@ class KeyedSumTeacher:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a probability, got {getattr(self, name)}")
         if self.direct_style not in DIRECT_STYLES:
-            raise ValueError(f"direct_style must be one of {', '.join(DIRECT_STYLES)}, got {self.direct_style!r}")
+            raise ValueError(f"direct_style must be one of {', '.join(DIRECT_STYLES)}, got "
+                             f"{self.direct_style!r}")
         if self.max_direct_keys is not None and self.max_direct_keys < 1:
             raise ValueError(f"max_direct_keys must be >= 1 (or None), got {self.max_direct_keys}")
         self._rng = random.Random(self.seed)
@@ -175,7 +177,8 @@ class KeyedSumTeacher:
                                self.direct_style, self.modulus)
         asked = _MODULUS.search(user)
         if is_root and (int(asked.group(1)) if asked else 0) != self.modulus:
-            raise ValueError(f"the teacher demonstrates modulus {self.modulus}; this task asks {user!r}")
+            raise ValueError(f"the teacher demonstrates modulus {self.modulus}; this task asks "
+                             f"{user!r}")
         keys_only = _KEYS_ONLY.match(user)
         if keys_only:  # a root that sees keys only
             return self._delegate(keys_only.group(1).split())

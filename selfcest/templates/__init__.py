@@ -15,7 +15,8 @@ from collections.abc import Callable
 import jinja2
 
 
-def environment(*, html: bool, finalize: Callable[[object], object] | None = None) -> jinja2.Environment:
+def environment(*, html: bool, finalize: Callable[[object], object]
+                | None = None) -> jinja2.Environment:
     """An environment over this package's templates.
 
     ``html``: autoescape every printed value (for HTML; Markdown is text and stays

@@ -3,9 +3,10 @@
 One `TrainingSample` per node: the node's full context, trained only on the tokens it
 sampled. Samples are grouped into micro-batches by a **token budget** (rows x longest row),
 not by a row count, after sorting by length so rows of one micro-batch have similar lengths
-and padding stays small. With **packing** (`trainer.packing`, off by default), several samples share a
+and padding stays small. With **packing** (`trainer.packing`, off by default), several samples share
+a
 row: each keeps its own positions (0, 1, ...) and transformers' attention masks keep them
-apart (`selfcest.policy.supports_packing` checks that a model does), so only row ends are
+apart (`selfcest.modeling.supports_packing` checks that a model does), so only row ends are
 padded. A training step runs a **fixed** number of optimizer steps
 (`split_for_optimizer_steps`), however many clones the trees hold.
 
@@ -138,7 +139,7 @@ def make_micro_batches(
 
     ``prompts`` (one per sample: its tokens before its first sampled one), where the
     update runs a micro-batch's shared prompt columns once per distinct prompt
-    (`selfcest.policy.shared_prefix_logits`, ``trainer.share_prompt_forward``): a run's
+    (`selfcest.modeling.shared_prefix_logits`, ``trainer.share_prompt_forward``): a run's
     compute is then ``rows x longest row - (rows - distinct prompts) x shared``, ``shared``
     being the columns before the run's first trained position (its shortest prompt less
     one). Without it, a GRPO step whose few short completions make a micro-batch of their
@@ -199,7 +200,8 @@ def make_micro_batches(
     return alone + runs[::-1]
 
 
-def packed_micro_batches(lengths: Sequence[int], max_tokens_per_micro_batch: int) -> list[list[int]]:
+def packed_micro_batches(lengths: Sequence[int],
+                         max_tokens_per_micro_batch: int) -> list[list[int]]:
     """Group sample indices for packed rows of `packing_width` tokens; each micro-batch holds
     at most ``max_tokens_per_micro_batch // width`` rows, so its padded size (rows x width)
     fits the budget.
@@ -262,7 +264,8 @@ def padding_fraction(lengths: Sequence[int], micro_batches: Sequence[Sequence[in
         if not batch:
             continue
         sizes = [lengths[i] for i in batch]
-        rows = [[k] for k in range(len(sizes))] if pack_width is None else pack_rows(sizes, pack_width)
+        rows = ([[k] for k in range(len(sizes))] if pack_width is None
+                else pack_rows(sizes, pack_width))
         padded += len(rows) * max(sum(sizes[k] for k in row) for row in rows)
         real += sum(sizes)
     return 1.0 - real / padded if padded else 0.0
@@ -365,7 +368,8 @@ def collate(
     if len(samples) != len(weights):
         raise ValueError(f"{len(samples)} samples but {len(weights)} weights")
     lengths = [s.length for s in samples]
-    rows = [[k] for k in range(len(samples))] if pack_width is None else pack_rows(lengths, pack_width)
+    rows = ([[k] for k in range(len(samples))] if pack_width is None
+            else pack_rows(lengths, pack_width))
     width = max(sum(lengths[k] for k in row) for row in rows)
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_token_id, dtype=torch.long)

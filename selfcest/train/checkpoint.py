@@ -59,8 +59,9 @@ CONFIG = "config.json"
 _STEP_FOLDER = re.compile(r"step_\d{6}")
 # Keys a resumed run may change without asking: where it writes and how often it saves,
 # its loggers and the evaluation experiments run afterwards; none changes what is trained.
-UNCHECKED_KEYS = ("trainer.output_dir", "trainer.resume", "trainer.resume_changes", "trainer.save_every",
-                  "trainer.save_final", "trainer.keep_checkpoints", "log.", "eval.")
+UNCHECKED_KEYS = ("trainer.output_dir", "trainer.resume", "trainer.resume_changes",
+                  "trainer.save_every", "trainer.save_final", "trainer.keep_checkpoints", "log.",
+                  "eval.")
 
 
 class CheckpointError(RunError):
@@ -123,28 +124,33 @@ def save_checkpoint(
     folder = Path(root) / CHECKPOINT_DIR / f"step_{state.step:06d}"
     tmp = folder.with_name(folder.name + ".tmp")
     previous = list_checkpoints(root)
-    kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+    kept = (f"the previous checkpoint {previous[-1]} is intact" if previous
+            else "no earlier checkpoint exists")
     try:
         _agreed(lambda: rank == 0 and _fresh_folder(tmp), f"could not create {tmp}")
         # Collectives: every rank gathers, rank 0 receives whole tensors on the CPU (frozen
         # weights stay where they are: a LoRA checkpoint moves the adapters only).
         whole = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         weights = get_model_state_dict(model, options=whole)
-        optimizer_state = get_optimizer_state_dict(model, _torch_optimizer(optimizer), options=whole)
+        optimizer_state = get_optimizer_state_dict(model, _torch_optimizer(optimizer),
+                                                   options=whole)
 
         def write() -> None:
             torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
             if rank == 0:
                 trainable = trainable_names(model)
-                save_file({k: v.contiguous() for k, v in weights.items() if k in trainable}, tmp / "model.safetensors")
+                save_file({k: v.contiguous() for k, v in weights.items() if k in trainable},
+                          tmp / "model.safetensors")
                 torch.save(optimizer_state, tmp / "optimizer.pt")
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-                (tmp / "state.json").write_text(json.dumps({**asdict(state), "world_size": world_size}, indent=2))
+                state_json = {**asdict(state), "world_size": world_size}
+                (tmp / "state.json").write_text(json.dumps(state_json, indent=2))
                 if config is not None:
                     (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str))
 
         _agreed(write, f"could not write checkpoint {folder}")
-        _agreed(lambda: rank == 0 and _publish(tmp, folder), f"could not complete checkpoint {folder}")
+        _agreed(lambda: rank == 0 and _publish(tmp, folder),
+                f"could not complete checkpoint {folder}")
     except CheckpointError as error:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -196,7 +202,8 @@ def checkpoint_problem(folder: str | Path) -> str | None:
     if not (folder / MANIFEST).exists():
         if not (folder / "state.json").exists():
             return "it has neither manifest.json nor state.json"
-        logger.warning("checkpoint %s has no %s (saved by an older selfcest): loading it unchecked", folder, MANIFEST)
+        logger.warning("checkpoint %s has no %s (saved by an older selfcest): loading it unchecked",
+                       folder, MANIFEST)
         return None
     try:
         files = json.loads((folder / MANIFEST).read_text())["files"]
@@ -207,7 +214,8 @@ def checkpoint_problem(folder: str | Path) -> str | None:
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != expected["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes where {expected['bytes']} were written (truncated?)"
+            return (f"{name} has {path.stat().st_size} bytes where {expected['bytes']} were "
+                    "written (truncated?)")
         if _sha256(path) != expected["sha256"]:
             return f"{name} does not match its SHA-256 (altered or damaged)"
     return None
@@ -239,14 +247,16 @@ def resolve_resume(resume, output_dir: str | Path) -> Path | None:
             problem = checkpoint_problem(folder)
             if problem is None:
                 return folder
-            logger.warning("checkpoint %s is damaged (%s): set aside as %s.damaged; trying the one before it",
+            logger.warning("checkpoint %s is damaged (%s): set aside as %s.damaged; trying the one "
+                           "before it",
                            folder, problem, folder.name)
             folder.rename(folder.with_name(folder.name + ".damaged"))
             damaged.append(f"{folder.name}: {problem}")
         if damaged:
             raise CheckpointError(
-                f"trainer.resume=true: every checkpoint under {Path(output_dir) / CHECKPOINT_DIR} is damaged "
-                f"({'; '.join(damaged)}); nothing sound to resume from (they are kept as *.damaged)")
+                f"trainer.resume=true: every checkpoint under {Path(output_dir) / CHECKPOINT_DIR} "
+                f"is damaged ({'; '.join(damaged)}); nothing sound to resume from (they are kept "
+                "as *.damaged)")
         return None
     path = Path(str(resume))
     if not (path / "state.json").exists():
@@ -271,7 +281,8 @@ def flat(data: dict, prefix: str = "") -> dict:
     return out
 
 
-def config_changes(saved: dict, now: dict, unchecked: Iterable[str] = UNCHECKED_KEYS) -> dict[str, tuple]:
+def config_changes(saved: dict, now: dict,
+                   unchecked: Iterable[str] = UNCHECKED_KEYS) -> dict[str, tuple]:
     """``{key: (saved value, current value)}`` for every key whose value differs between two
     run configs (JSON-ready nested dicts), leaving out ``unchecked`` keys and sections (a
     trailing dot) and keys ``saved`` lacks (settings added since it was written)."""
@@ -296,13 +307,15 @@ def saved_config(folder: str | Path) -> dict | None:
     return None
 
 
-def check_resume_config(folder: str | Path, config: dict, allowed: Iterable[str]) -> dict[str, tuple]:
+def check_resume_config(folder: str | Path, config: dict,
+                        allowed: Iterable[str]) -> dict[str, tuple]:
     """Refuse (`ConfigError`) to resume ``folder`` under a config that differs from its own
     in any key but the ``allowed`` ones (keys or sections, ``trainer.resume_changes``);
     return the allowed changes found, ``{key: (saved, now)}``."""
     saved = saved_config(folder)
     if saved is None:
-        logger.warning("checkpoint %s holds no config: its settings cannot be compared with this run's", folder)
+        logger.warning("checkpoint %s holds no config: its settings cannot be compared with this "
+                       "run's", folder)
         return {}
     changes = config_changes(saved, config)
     allowed = tuple(allowed)
@@ -311,8 +324,10 @@ def check_resume_config(folder: str | Path, config: dict, allowed: Iterable[str]
         listed = ", ".join(f"{key} ({_short(a)} -> {_short(b)})" for key, (a, b) in refused.items())
         keys = ",".join([*allowed, *refused])
         raise ConfigError(
-            f"trainer.resume: this config differs from the one {Path(folder).name} was trained under in "
-            f"{listed}; resume with that config, or allow the changes: trainer.resume_changes=[{keys}]")
+            f"trainer.resume: this config differs from the one {Path(folder).name} was trained "
+            "under in "
+            f"{listed}; resume with that config, or allow the changes: "
+            f"trainer.resume_changes=[{keys}]")
     return changes
 
 
@@ -392,7 +407,8 @@ def _set_rng_state(state: dict) -> None:
     py_version, py_gauss = state["python_meta"]
     random.setstate((py_version, tuple(int(x) for x in state["python"]), py_gauss))
     version, position, has_gauss, cached = state["numpy_meta"]
-    np.random.set_state((version, state["numpy_keys"].numpy().astype(np.uint32), position, has_gauss, cached))
+    np.random.set_state((version, state["numpy_keys"].numpy().astype(np.uint32), position,
+                         has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

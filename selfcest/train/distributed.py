@@ -18,13 +18,13 @@ from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
 from selfcest.algo.losses import aggregation_weights
 from selfcest.train.sharding import check_supported
 
-
 # accelerate's mixed precision of each model.dtype, and the dtype it computes in.
 MIXED_PRECISION = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def start_accelerator(seed: int, dtype: str = "float32", collective_timeout_s: float = 3600.0) -> Accelerator:
+def start_accelerator(seed: int, dtype: str = "float32",
+                      collective_timeout_s: float = 3600.0) -> Accelerator:
     """The run's accelerator, with global RNGs seeded from ``seed`` (plus the process index).
 
     ``cpu=True`` on machines without CUDA: without it, two CPU processes each think they are

@@ -59,12 +59,14 @@ class RunLock:
                 break
             os.close(descriptor)
         previous = _owner(path)
-        if previous and _alive_elsewhere(previous):  # flock does nothing on some network filesystems
+        # flock does nothing on some network filesystems
+        if previous and _alive_elsewhere(previous):
             os.close(descriptor)
             raise RunError(_held_message(folder, previous, certain=False))
         if previous:
             logger.warning("%s: taking over the lock of pid %s on %s, which is no longer running "
-                           "(it stopped without releasing it)", folder, previous.get("pid"), previous.get("host"))
+                           "(it stopped without releasing it)", folder, previous.get("pid"),
+                           previous.get("host"))
         me = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
         os.ftruncate(descriptor, 0)
         os.pwrite(descriptor, me, 0)
@@ -126,7 +128,8 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {number: signal.signal(number, self._handle) for number in STOP_SIGNALS}
+            self._previous = {number: signal.signal(number, self._handle)
+                              for number in STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:

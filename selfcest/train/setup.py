@@ -32,7 +32,12 @@ from selfcest.train.config import (
     load_split,
     validate,
 )
-from selfcest.train.distributed import COMPUTE_DTYPES, MIXED_PRECISION, decided_by_main, start_accelerator
+from selfcest.train.distributed import (
+    COMPUTE_DTYPES,
+    MIXED_PRECISION,
+    decided_by_main,
+    start_accelerator,
+)
 from selfcest.train.lifecycle import RunLock
 from selfcest.train.sft import train_sft
 from selfcest.train.sharding import check_model, is_sharded
@@ -52,15 +57,18 @@ def build_policy(config: TrainConfig, name: str | None = None) -> ClonePolicy:
     protocol, dtype = ProtocolName(model.protocol).value, torch.float32
     prompts = {"root_system": model.root_system, "clone_system": model.clone_system}
     if name in SIZES:
-        policy = ClonePolicy.build_tiny(seed=model.init_seed, size=name, protocol=protocol, **prompts)
+        policy = ClonePolicy.build_tiny(seed=model.init_seed, size=name, protocol=protocol,
+                                        **prompts)
         if model.lora is not None:
             required = list(policy.protocol.required_tokens)
-            policy.model = apply_lora(policy.model, model.lora, policy.tokenizer.convert_tokens_to_ids(required))
+            policy.model = apply_lora(policy.model, model.lora,
+                                      policy.tokenizer.convert_tokens_to_ids(required))
         return policy
     if name == SMOLLM2:
         return ClonePolicy.from_smollm2(protocol=protocol, lora=model.lora, dtype=dtype, **prompts)
     gguf = {"gguf_file": model.gguf_file} if model.gguf_file and name == model.name else {}
-    return ClonePolicy.from_pretrained(name, protocol=protocol, lora=model.lora, dtype=dtype, **prompts, **gguf)
+    return ClonePolicy.from_pretrained(name, protocol=protocol, lora=model.lora, dtype=dtype,
+                                       **prompts, **gguf)
 
 
 def build_reward(config: TrainConfig) -> RewardFn:
@@ -81,7 +89,8 @@ def held_out_tasks(config: TrainConfig) -> list[Task]:
     """A config's held-out tasks, which a warm start must not demonstrate: its evaluation split
     (none when ``task.eval_params`` is empty, as the evaluation then reads the training split)
     and its OOD split (``task.ood_params``)."""
-    return [held for split in held_out_splits(config.task) for held in load_split(config.task, split)]
+    return [held for split in held_out_splits(config.task)
+            for held in load_split(config.task, split)]
 
 
 def warm_start(
@@ -98,19 +107,23 @@ def warm_start(
     return train_sft(policy, trees, config.warm_start.sft, log=log, score=score)
 
 
-def warm_start_trees(config: TrainConfig, protocol: Protocol, exclude: Sequence[Task] = ()) -> list[CloneTree]:
+def warm_start_trees(config: TrainConfig, protocol: Protocol,
+                     exclude: Sequence[Task] = ()) -> list[CloneTree]:
     """The demonstrations of the ``warm_start`` section: its ``tasks`` under its budget, then
     its ``direct_tasks`` under the same budget with spawning off."""
     section = config.warm_start
     budget = section.budget or config.rollout.budget
-    trees = demonstrations(section.tasks, section.teacher, section.teacher_params, protocol, budget, exclude)
+    trees = demonstrations(section.tasks, section.teacher, section.teacher_params, protocol, budget,
+                           exclude)
     if section.direct_tasks is not None:
-        trees += demonstrations(section.direct_tasks, section.teacher, section.teacher_params, protocol,
+        trees += demonstrations(section.direct_tasks, section.teacher, section.teacher_params,
+                                protocol,
                                 dataclasses.replace(budget, max_depth=0), exclude)
     return trees
 
 
-def logged_warm_start(policy: ClonePolicy, config: TrainConfig, folder: Path) -> list[dict[str, float]]:
+def logged_warm_start(policy: ClonePolicy, config: TrainConfig,
+                      folder: Path) -> list[dict[str, float]]:
     """`warm_start` leaving out the config's held-out tasks, with its loss curve written to
     ``folder/sft.jsonl`` (one JSON line per step); returns the per-step metrics."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -125,7 +138,8 @@ def run_warm_start(config: TrainConfig) -> Path:
     under ``<trainer.output_dir>/sft``; returns that folder."""
     validate(config)
     if not config.warm_start.tasks:
-        raise ConfigError("warm_start.tasks is empty: give a task source for the teacher to demonstrate")
+        raise ConfigError("warm_start.tasks is empty: give a task source for the teacher to "
+                          "demonstrate")
     out = Path(config.trainer.output_dir) / "sft"
     if config.trainer.cpu_threads:
         torch.set_num_threads(config.trainer.cpu_threads)
@@ -133,7 +147,8 @@ def run_warm_start(config: TrainConfig) -> Path:
     device = default_device()
     policy.model.to(device)
     precision = MIXED_PRECISION[str(config.model.dtype)]
-    autocast = contextlib.nullcontext() if precision == "no" else torch.autocast(device.type, COMPUTE_DTYPES[precision])
+    autocast = (contextlib.nullcontext() if precision == "no"
+                else torch.autocast(device.type, COMPUTE_DTYPES[precision]))
     with autocast:
         logged_warm_start(policy, config, out)
     policy.save_pretrained(out)
@@ -162,15 +177,17 @@ def build_trainer(
     validate(config)
     trainer = config.trainer
     if reward_fn is not None and config.task.reward_timeout_s is not None:
-        raise ConfigError("task.reward_timeout_s runs the reward task.reward names in a worker process; a "
-                          "reward_fn given in Python runs in this one: pass none, or set task.reward_timeout_s=null")
+        raise ConfigError("task.reward_timeout_s runs the reward task.reward names in a worker "
+                          "process; a reward_fn given in Python runs in this one: pass none, or "
+                          "set task.reward_timeout_s=null")
     reward_fn = reward_fn or build_reward(config)
     train_tasks = list(train_tasks) if train_tasks is not None else load_split(config.task, "train")
     if eval_tasks is None:
         eval_tasks = load_split(config.task, "eval") if trainer.eval_every else []
     if trainer.cpu_threads:
         torch.set_num_threads(trainer.cpu_threads)
-    accelerator = start_accelerator(trainer.seed, str(config.model.dtype), trainer.collective_timeout_s)
+    accelerator = start_accelerator(trainer.seed, str(config.model.dtype),
+                                    trainer.collective_timeout_s)
     held: list[RunLock] = []
 
     def claim_output() -> Path | None:
@@ -207,5 +224,6 @@ def resume_checkpoint(config: TrainConfig) -> Path | None:
     if folder is not None:
         changes = check_resume_config(folder, dataclasses.asdict(config), trainer.resume_changes)
         for key, (before, now) in changes.items():
-            logger.info("resuming %s with %s changed: %r -> %r (trainer.resume_changes)", folder, key, before, now)
+            logger.info("resuming %s with %s changed: %r -> %r (trainer.resume_changes)", folder,
+                        key, before, now)
     return folder

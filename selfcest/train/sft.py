@@ -22,7 +22,8 @@ import torch
 
 from selfcest.algo.advantages import Advantages
 from selfcest.configure import require, setting
-from selfcest.policy import ClonePolicy, forward_logprobs
+from selfcest.modeling import forward_logprobs
+from selfcest.policy import ClonePolicy
 from selfcest.train.batching import (
     MicroBatch,
     TrainingSample,
@@ -39,11 +40,15 @@ class SFTConfig:
     """Supervised training settings; batch units are sequences (one per node) and tokens."""
 
     steps: int = setting(1500, help="optimizer steps")
-    sequences_per_step: int = setting(16, help="sequences per optimizer step, drawn without replacement (reshuffled every epoch)")
-    tokens_per_micro_batch: int = setting(8192, help="padded tokens one micro-batch may hold (gradients accumulate over micro-batches)")
-    lr: float = setting(3e-3, help="AdamW peak learning rate: linear warmup, then cosine decay to final_lr_fraction of it")
+    sequences_per_step: int = setting(16, help="sequences per optimizer step, drawn without "
+                                               "replacement (reshuffled every epoch)")
+    tokens_per_micro_batch: int = setting(8192, help="padded tokens one micro-batch may hold "
+                                                     "(gradients accumulate over micro-batches)")
+    lr: float = setting(3e-3, help="AdamW peak learning rate: linear warmup, then cosine decay to "
+                                   "final_lr_fraction of it")
     warmup_steps: int = setting(20, help="linear warmup, in optimizer steps")
-    final_lr_fraction: float = setting(0.1, help="the learning rate at the last step, as a fraction of the peak")
+    final_lr_fraction: float = setting(0.1, help="the learning rate at the last step, as a "
+                                                 "fraction of the peak")
     weight_decay: float = setting(0.0, help="AdamW weight decay")
     max_grad_norm: float = setting(1.0, help="gradient-norm clip (0 = off)")
     spawner_repeats: int = setting(1, help=(
@@ -55,7 +60,8 @@ class SFTConfig:
         "weights of the best-scoring validation are kept, and training stops once a score "
         "reaches validation_target, so every machine ends at a checkpoint of similar skill "
         "rather than wherever its float rounding led the last step"))
-    validation_target: float = setting(1.0, help="a validation score that ends training early (1.0: never ends early)")
+    validation_target: float = setting(1.0, help="a validation score that ends training early "
+                                                 "(1.0: never ends early)")
 
     def __post_init__(self) -> None:
         self.check()
@@ -63,10 +69,12 @@ class SFTConfig:
     def check(self) -> None:
         for name in ("steps", "sequences_per_step", "tokens_per_micro_batch", "spawner_repeats"):
             require(getattr(self, name) >= 1, name, f"must be >= 1; got {getattr(self, name)}")
-        require(self.validate_every >= 0, "validate_every", f"must be >= 0; got {self.validate_every}")
+        require(self.validate_every >= 0, "validate_every",
+                f"must be >= 0; got {self.validate_every}")
         require(self.lr > 0, "lr", f"must be > 0; got {self.lr}")
         require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0; got {self.warmup_steps}")
-        require(0 <= self.final_lr_fraction <= 1, "final_lr_fraction", f"must be in [0, 1]; got {self.final_lr_fraction}")
+        require(0 <= self.final_lr_fraction <= 1, "final_lr_fraction",
+                f"must be in [0, 1]; got {self.final_lr_fraction}")
 
 
 def sft_samples(trees: Sequence[CloneTree], spawner_repeats: int = 1) -> list[TrainingSample]:
@@ -108,7 +116,8 @@ def rejected_positions(node: Node) -> list[int]:
 def sft_loss(model, batch: MicroBatch) -> torch.Tensor:
     """Negative log-likelihood of the sampled tokens, weighted by ``batch.token_weights``
     (zero on prompt, return, notice and padding tokens, so those never get a gradient)."""
-    logprobs = forward_logprobs(model, batch.input_ids, batch.attention_mask, position_ids=batch.position_ids,
+    logprobs = forward_logprobs(model, batch.input_ids, batch.attention_mask,
+                                position_ids=batch.position_ids,
                                 from_position=batch.first_trained_position())[0]
     return -(logprobs * batch.token_weights).sum()
 

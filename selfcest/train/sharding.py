@@ -38,7 +38,8 @@ def check_supported(accelerator: Accelerator) -> None:
     if kind == DistributedType.DEEPSPEED:
         raise ConfigError(
             "accelerate distributed_type=DEEPSPEED: DeepSpeed ZeRO is not supported; shard the "
-            "training with FSDP2 instead (accelerate launch --config_file configs/accelerate/fsdp.yaml)"
+            "training with FSDP2 instead (accelerate launch --config_file "
+            "configs/accelerate/fsdp.yaml)"
         )
     if kind != DistributedType.FSDP:
         return

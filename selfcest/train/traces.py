@@ -68,9 +68,11 @@ def demonstrations(
     if teacher not in TEACHERS:
         raise ValueError(f"unknown teacher {teacher!r}; known: {', '.join(TEACHERS)}")
     held_out = {task_identity(task) for task in exclude}
-    loaded = [task for task in load_tasks(tasks.name, **tasks.params) if task_identity(task) not in held_out]
+    loaded = [task for task in load_tasks(tasks.name, **tasks.params)
+              if task_identity(task) not in held_out]
     if not loaded:
-        raise ValueError(f"the warm-start task source {tasks} gave no tasks (after excluding held-out ones)")
+        raise ValueError(f"the warm-start task source {tasks} gave no tasks (after excluding "
+                         "held-out ones)")
     trees = teacher_trees(loaded, TEACHERS[teacher](**dict(teacher_params)), protocol, budget)
     if 2 * len(trees) < len(loaded):
         raise ValueError(

@@ -1,6 +1,6 @@
 """GRPO over clone trees: the global reward of each tree is pushed through every branch.
 
-One training step::
+One training step (the rollout and the update alternate: no asynchronous rollout)::
 
     tasks   = the next `prompts_per_step` prompts (prompt i belongs to process i % world)
     trees   = engine.rollout(my tasks, trees_per_prompt)       # every branch, every tree
@@ -11,14 +11,7 @@ One training step::
         micro-batches under a token budget, PPO-clip loss, exact global aggregation
     backend.sync_weights(model)                                 # next rollout sees new weights
 
-A group (all trees of one prompt) always lands on one process, so its advantages are
-computed where all its trees are; metrics are averaged across processes. Trees are rolled
-out by each process's own engine, or by its node's (`node_rollout.py`); training is data
-parallel or FSDP2-sharded (`sharding.py`).
-
-Simplifications, stated: the rollout and the update alternate (no asynchronous rollout);
-counterfactual credit re-runs only the continuation of the root (clones of clones take
-their depth-1 ancestor's counterfactual credit).
+One engine per machine: `machine_rollout.py`; data parallel or FSDP2-sharded: `sharding.py`.
 """
 
 from __future__ import annotations
@@ -43,14 +36,19 @@ from selfcest.algo.advantages import compute_advantages
 from selfcest.algo.credit import CREDIT
 from selfcest.algo.losses import combine_stats, per_token_loss, token_choice_entropy, token_entropy
 from selfcest.configure import ConfigError, RunError
-from selfcest.policy import (ClonePolicy, forward_logprobs, left_pad, set_activation_checkpointing,
-                             supports_packing)
+from selfcest.modeling import (
+    forward_logprobs,
+    left_pad,
+    set_activation_checkpointing,
+    supports_packing,
+)
+from selfcest.policy import ClonePolicy
 from selfcest.rewards.base import RewardFn, progress_summary, score_trees
 from selfcest.rewards.guard import GuardedReward
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.registry import build_backend, spec
 from selfcest.rollout.engine import RolloutEngine
-from selfcest.rollout.node_rollout import FollowerBackend, Placement, rollout_on_node
+from selfcest.rollout.machine_rollout import FollowerBackend, Placement, rollout_on_machine
 from selfcest.task import Task
 from selfcest.train.batching import (
     TrainingSample,
@@ -62,8 +60,14 @@ from selfcest.train.batching import (
     samples_from_trees,
     split_for_optimizer_steps,
 )
-from selfcest.train.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
+from selfcest.train.checkpoint import (
+    TrainerState,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from selfcest.train.config import TrainConfig
+from selfcest.train.counterfactual import counterfactual_reruns
 from selfcest.train.distributed import (
     COMPUTE_DTYPES,
     gather,
@@ -83,7 +87,8 @@ logger = logging.getLogger(__name__)
 def _nan_logprobs(tree: CloneTree) -> bool:
     """Whether a tree was sampled with a NaN logprob: the policy's outputs are not numbers
     (a sum is NaN if any term is, and costs a C loop per segment)."""
-    return any(math.isnan(sum(segment.logprobs)) for node in tree.nodes.values() for segment in node.segments
+    return any(math.isnan(sum(segment.logprobs)) for node in tree.nodes.values()
+               for segment in node.segments
                if segment.trainable)
 
 
@@ -154,12 +159,13 @@ class GRPOTrainer:
         trainer = config.trainer
         self.train_tasks, self.eval_tasks = list(train_tasks), list(eval_tasks)
         # A reward that fails on a tree scores it 0, counted; a step whose rewards all fail stops.
-        self.reward_fn = reward_fn if isinstance(reward_fn, GuardedReward) else GuardedReward(reward_fn)
+        self.reward_fn = (reward_fn if isinstance(reward_fn, GuardedReward)
+                          else GuardedReward(reward_fn))
         self.sharded = is_sharded(acc)
         # FSDP frees the gathered weights after each forward, so the graph of a first pass over
         # shared prompts cannot be backpropagated after a second pass: rows run whole there.
         self.share_prompts = trainer.share_prompt_forward and not self.sharded
-        # Where rollouts happen: in every process, or on each node's first (node_rollout.py).
+        # Where rollouts happen: in every process, or on each node's first (machine_rollout.py).
         self.placement = None
         if config.rollout.engine_per_node:
             self.placement = Placement.of(acc.process_index, acc.num_processes)
@@ -188,7 +194,8 @@ class GRPOTrainer:
                                   policy.tokenizer, policy.protocol)
         self.backend = backend or self._build_backend()
         self._follow_leader_version()
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=trainer.lr,
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                      lr=trainer.lr,
                                       betas=tuple(trainer.betas), weight_decay=trainer.weight_decay)
         total_updates = trainer.steps * trainer.optimizer_steps_per_step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -198,20 +205,24 @@ class GRPOTrainer:
             self.reference = shard_frozen(acc, self.reference)
         # After prepare: under FSDP the parameters are new (sharded) tensors.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.state = TrainerState(step=0, epoch=0, cursor=0, weight_version=self.backend.weight_version)
+        self.state = TrainerState(step=0, epoch=0, cursor=0,
+                                  weight_version=self.backend.weight_version)
         if resume_from is not None:
-            self.state = load_checkpoint(resume_from, self._unwrapped, self.optimizer, self.scheduler,
+            self.state = load_checkpoint(resume_from, self._unwrapped, self.optimizer,
+                                         self.scheduler,
                                          rank=acc.process_index)
             self._publish_weights()
             # The checkpoint's weights are served under the version they had when it was
             # written, so a resumed run numbers its versions as the straight run does.
             self.backend.weight_version = self.state.weight_version
-        self.sampler = TaskSampler(self.train_tasks, trainer.seed, self.state.epoch, self.state.cursor)
+        self.sampler = TaskSampler(self.train_tasks, trainer.seed, self.state.epoch,
+                                   self.state.cursor)
         self.logger = None
         if acc.is_main_process:
             self.logger = RunLogger(trainer.output_dir, asdict(config), config.log.wandb,
                                     config.log.wandb_project, config.name, config.log.tensorboard,
-                                    resume_step=self.state.step if resume_from is not None else None)
+                                    resume_step=self.state.step if resume_from is not None
+                                    else None)
         self.resumed_from = resume_from
 
     # ------------------------------------------------------------------ setup helpers
@@ -224,7 +235,8 @@ class GRPOTrainer:
     def _build_backend(self):
         rollout = self.config.rollout
         placement = self.placement
-        if placement is not None and not placement.is_leader and not spec(rollout.backend).whole_node:
+        if placement is not None and not placement.is_leader and not spec(
+            rollout.backend).whole_node:
             return FollowerBackend()
         # Under the run's mixed precision: an engine's first probe, which calibrates the sync
         # tolerance, is scored as every later one (a no-op in float32).
@@ -248,9 +260,11 @@ class GRPOTrainer:
     def _follow_leader_version(self) -> None:
         """With an engine per node, take the weight version the node's engine serves."""
         if self.placement is not None:
-            self.backend.weight_version = gather(self.accelerator, self.backend.weight_version)[self.placement.leader]
+            self.backend.weight_version = gather(self.accelerator,
+                                                 self.backend.weight_version)[self.placement.leader]
 
-    def _rollout(self, tasks: Sequence[Task], samples_per_task: int, engine: RolloutEngine) -> list[CloneTree]:
+    def _rollout(self, tasks: Sequence[Task], samples_per_task: int,
+                 engine: RolloutEngine) -> list[CloneTree]:
         """This process's trees for its share of the step's ``tasks`` (prompt i goes to
         process i % world size), from its own engine or its node's."""
         acc = self.accelerator
@@ -258,9 +272,11 @@ class GRPOTrainer:
         # (a no-op in float32, and for an engine of its own).
         with acc.autocast():
             if self.placement is None:
-                return engine.rollout(tasks[acc.process_index :: acc.num_processes], samples_per_task)
-            return rollout_on_node(self.placement, tasks, samples_per_task,
-                                   lambda mine: engine.rollout(mine, samples_per_task), self.backend)
+                return engine.rollout(tasks[acc.process_index :: acc.num_processes],
+                                      samples_per_task)
+            return rollout_on_machine(self.placement, tasks, samples_per_task,
+                                   lambda mine: engine.rollout(mine, samples_per_task),
+                                   self.backend)
 
     def _reference_model(self, model, device):
         """The KL reference: the base with the adapter disabled (LoRA), else a frozen copy (in
@@ -325,8 +341,11 @@ class GRPOTrainer:
         timings = {}
         start = time.perf_counter()
         tasks = self.sampler.take(trainer.prompts_per_step)
+        # A group (all trees of one prompt) lands on one process, which computes its
+        # advantages from all its trees; metrics are averaged across processes.
         local = tasks[acc.process_index :: acc.num_processes]
-        trees = self._rollout(tasks, trainer.trees_per_prompt, self.engine(self._step_seed(self.state.step)))
+        trees = self._rollout(tasks, trainer.trees_per_prompt,
+                              self.engine(self._step_seed(self.state.step)))
         timings["time/rollout"] = time.perf_counter() - start
 
         mark = time.perf_counter()
@@ -335,9 +354,9 @@ class GRPOTrainer:
         score_trees(trees, by_id, self.reward_fn)
         self._check_rewards(trees)
         credit = self.config.algo.credit
-        if CREDIT[credit.strategy].prepare is not None:  # e.g. counterfactual re-runs
+        if CREDIT[credit.strategy].reruns:
             rerun_engine = self.engine(self._step_seed(self.state.step) ^ 0x5EED)
-            CREDIT[credit.strategy].prepare(trees, by_id, rerun_engine, self.reward_fn, credit)
+            counterfactual_reruns(trees, by_id, rerun_engine, self.reward_fn, credit)
         timings["time/scoring"] = time.perf_counter() - mark
 
         mark = time.perf_counter()
@@ -356,7 +375,8 @@ class GRPOTrainer:
         metrics.update(self._tree_metrics(trees))
         metrics.update(self._decision_metrics(trees, by_id))
         metrics.update(timings)
-        generated = sum_over_processes(self.accelerator, {"n": sum(t.costs().generated_tokens for t in trees)})["n"]
+        generated = sum_over_processes(self.accelerator,
+                                       {"n": sum(t.costs().generated_tokens for t in trees)})["n"]
         metrics["throughput/rollout_tokens_per_s"] = generated / max(timings["time/rollout"], 1e-9)
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         if trainer.eval_every and self.state.step % trainer.eval_every == 0 and self.eval_tasks:
@@ -368,13 +388,15 @@ class GRPOTrainer:
         """Warn about the trees whose reward failed (scored 0 by `GuardedReward`); stop the run
         if that is every tree of the step, on every process: nothing could be learned."""
         failures = self.reward_fn.failures
-        counts = sum_over_processes(self.accelerator, {"failed": len(failures), "trees": len(trees)})
+        counts = sum_over_processes(self.accelerator,
+                                    {"failed": len(failures), "trees": len(trees)})
         if not counts["failed"]:
             return
         first = failures[0] if failures else "on another process"
         step = self.state.step + 1
         if counts["failed"] == counts["trees"]:
-            raise RunError(f"step {step}: the reward failed on every tree ({first}); nothing can be learned "
+            raise RunError(f"step {step}: the reward failed on every tree ({first}); nothing can "
+                           "be learned "
                            f"from rewards that all fail: fix task.reward={self.config.task.reward}")
         logger.warning("step %d: the reward failed on %d of %d trees, scored 0 (first: %s)",
                        step, counts["failed"], counts["trees"], first)
@@ -418,7 +440,8 @@ class GRPOTrainer:
             # Where the update runs a shared prompt once, cutting a group apart costs its prompt.
             prompts = [s.prompt for s in samples] if self.share_prompts else None
             micro = make_micro_batches(lengths, trainer.tokens_per_micro_batch,
-                                       pass_overhead_tokens=trainer.pass_overhead_tokens, prompts=prompts)
+                                       pass_overhead_tokens=trainer.pass_overhead_tokens,
+                                       prompts=prompts)
         timer = PhaseTimer(self.accelerator.device)
         trainable = [s.num_trainable for s in samples]
         plan = split_for_optimizer_steps(micro, trainer.optimizer_steps_per_step, trainable)
@@ -435,7 +458,8 @@ class GRPOTrainer:
         for step_batches in plan:
             members = [i for batch in step_batches for i in batch]
             weights, total = global_weights(acc, [trainable[i] for i in members],
-                                            [tree_ids[i] for i in members], self.config.algo.loss.aggregation)
+                                            [tree_ids[i] for i in members],
+                                            self.config.algo.loss.aggregation)
             if total == 0:
                 # No process has a token to learn from: skip the update entirely (an AdamW
                 # step on zero gradients would still move the weights by its momentum).
@@ -451,7 +475,8 @@ class GRPOTrainer:
                 with contextlib.nullcontext() if sync else acc.no_sync(self.model):
                     rows = [samples[i] for i in batch]
                     old = [proximal[i] for i in batch] if proximal is not None else None
-                    stats.append(self._backward(rows, [weight_of[i] for i in batch], old, width, timer))
+                    stats.append(self._backward(rows, [weight_of[i] for i in batch], old, width,
+                                                timer))
                     trained_tokens += sum(samples[i].length for i in batch)
             with timer("optimizer"):
                 norm = self._optimizer_step()
@@ -463,7 +488,8 @@ class GRPOTrainer:
             updates += 1
         elapsed = time.perf_counter() - start
         counted = [s for s in stats if s["tokens"]]
-        local = {f"loss/{k}": v for k, v in combine_stats(counted).items() if k != "tokens"} if counted else {}
+        local = ({f"loss/{k}": v for k, v in combine_stats(counted).items() if k != "tokens"}
+                 if counted else {})
         metrics = mean_over_processes(self.accelerator, local)
         metrics.update(sum_over_processes(self.accelerator, {
             "train/samples": len(samples),
@@ -509,12 +535,15 @@ class GRPOTrainer:
         if self.nonfinite_in_row >= trainer.max_nonfinite_updates:
             latest = list_checkpoints(trainer.output_dir)
             raise RunError(
-                f"step {self.state.step + 1}: {self.nonfinite_in_row} updates in a row were skipped for a "
-                f"non-finite loss, gradient or policy (last: {what}; trainer.max_nonfinite_updates); the "
+                f"step {self.state.step + 1}: {self.nonfinite_in_row} updates in a row were "
+                "skipped for a "
+                f"non-finite loss, gradient or policy (last: {what}; "
+                "trainer.max_nonfinite_updates); the "
                 f"learning rate (trainer.lr={trainer.lr:g}) may be too high. Last checkpoint: "
                 f"{latest[-1] if latest else 'none'}")
 
-    def _logprob_gap(self, samples: list[TrainingSample], proximal: list[torch.Tensor]) -> dict[str, float]:
+    def _logprob_gap(self, samples: list[TrainingSample],
+                     proximal: list[torch.Tensor]) -> dict[str, float]:
         """How far the rollout's logprobs of the sampled tokens are from the trainer's: mean and
         largest |difference| over every process's trained tokens."""
         total, count, largest = 0.0, 0, 0.0
@@ -543,7 +572,8 @@ class GRPOTrainer:
                 self._empty_pass(model)
                 continue
             rows = [samples[i] for i in batch]
-            mb = collate(rows, [0.0] * len(rows), self.policy.tokenizer.pad_token_id, width).to(self.accelerator.device)
+            mb = collate(rows, [0.0] * len(rows), self.policy.tokenizer.pad_token_id,
+                         width).to(self.accelerator.device)
             logp, _, _ = self._logprobs(model, mb)
             for i, values in zip(batch, mb.per_sample(logp)):
                 out[i] = values.float().cpu()
@@ -558,7 +588,8 @@ class GRPOTrainer:
 
     def _empty_pass(self, model) -> torch.Tensor:
         """A one-token forward that only takes part in the collectives of the others' passes."""
-        dummy = torch.full((1, 1), self.policy.tokenizer.pad_token_id, device=self.accelerator.device)
+        dummy = torch.full((1, 1), self.policy.tokenizer.pad_token_id,
+                           device=self.accelerator.device)
         return model(input_ids=dummy).logits
 
     def _logprobs(self, model, mb, entropy: bool = False, decision: bool = False):
@@ -591,23 +622,28 @@ class GRPOTrainer:
             # a reference pass where that is a collective too.
             if loss_config.kl_coef > 0 and self._reference_is_collective:
                 with torch.no_grad(), self._reference_context():
-                    self._empty_pass(self.reference if self.reference is not None else self._full_model)
+                    self._empty_pass(self.reference if self.reference is not None
+                                     else self._full_model)
             self.accelerator.backward(self._empty_pass(self.model).sum() * 0.0)
             return {"tokens": 0}
-        mb = collate(batch, weights, self.policy.tokenizer.pad_token_id, width).to(self.accelerator.device)
+        mb = collate(batch, weights, self.policy.tokenizer.pad_token_id,
+                     width).to(self.accelerator.device)
         ref = None
         if loss_config.kl_coef > 0:
             with timer("reference"):
                 ref = self._reference_logprobs(mb)
         with timer("forward"):
-            logp, entropy, decision = self._logprobs(self.model, mb, entropy=loss_config.entropy_coef > 0,
+            logp, entropy, decision = self._logprobs(self.model, mb,
+                                                     entropy=loss_config.entropy_coef > 0,
                                                      decision=loss_config.decision_entropy_coef > 0)
             old, behaviour = mb.old_logprobs, None
             if proximal is not None:
                 old, behaviour = mb.place(proximal), mb.old_logprobs
-            loss_per_token, stats = per_token_loss(logp, old, mb.advantages, mb.loss_mask, loss_config,
+            loss_per_token, stats = per_token_loss(logp, old, mb.advantages, mb.loss_mask,
+                                                   loss_config,
                                                    ref_logprobs=ref, entropy=entropy,
-                                                   behaviour_logprobs=behaviour, decision_entropy=decision)
+                                                   behaviour_logprobs=behaviour,
+                                                   decision_entropy=decision)
             if decision is not None and mb.decision_mask.any():
                 stats["decision_entropy"] = float(decision.detach()[mb.decision_mask.bool()].mean())
         with timer("backward"):
@@ -624,7 +660,8 @@ class GRPOTrainer:
 
     def _reference_context(self):
         """The adapter disabled for a LoRA reference pass (nothing to do for a frozen copy)."""
-        return contextlib.nullcontext() if self.reference is not None else self._full_model.disable_adapter()
+        return (contextlib.nullcontext() if self.reference is not None
+                else self._full_model.disable_adapter())
 
     @property
     def _reference_is_collective(self) -> bool:
@@ -646,7 +683,8 @@ class GRPOTrainer:
     def _tree_metrics(self, trees: Sequence[CloneTree]) -> dict[str, float]:
         """`tree_metrics` of every tree of every process, averaged; a key a tree does not
         report counts 0 for it (a reward diagnostic not raised), so each is a rate."""
-        everything = [row for part in gather(self.accelerator, [tree_metrics(t) for t in trees]) for row in part]
+        everything = [row for part in gather(self.accelerator, [tree_metrics(t) for t in trees])
+                      for row in part]
         if not everything:
             return {}
         keys = sorted({key for row in everything for key in row})
@@ -654,7 +692,8 @@ class GRPOTrainer:
         metrics["reward/std"] = statistics.pstdev(r["reward/mean"] for r in everything)
         return metrics
 
-    def _decision_metrics(self, trees: Sequence[CloneTree], tasks: dict[str, Task]) -> dict[str, float]:
+    def _decision_metrics(self, trees: Sequence[CloneTree],
+                          tasks: dict[str, Task]) -> dict[str, float]:
         """How often the roots' first turn opens a spawn call, over every process's trees:
         ``decision/p_delegate``, and per task size (its number of context keys)
         ``decision/p_delegate/size_<k>``, so a run shows its decision being learned size by
@@ -662,13 +701,15 @@ class GRPOTrainer:
         protocol = self.policy.protocol
         if not protocol.has_spawn_calls:
             return {}
-        mine = [(len(tasks[t.task_id].context), protocol.spawn_open_id in t.root.first_turn_ids()) for t in trees]
+        mine = [(len(tasks[t.task_id].context), protocol.spawn_open_id in t.root.first_turn_ids())
+                for t in trees]
         rows = [row for part in gather(self.accelerator, mine) for row in part]
         if not rows:
             return {}
         metrics = {"decision/p_delegate": statistics.fmean(d for _, d in rows)}
         for size in sorted({size for size, _ in rows}):
-            metrics[f"decision/p_delegate/size_{size}"] = statistics.fmean(d for k, d in rows if k == size)
+            metrics[f"decision/p_delegate/size_{size}"] = statistics.fmean(
+                d for k, d in rows if k == size)
         return metrics
 
     def _log(self, metrics: dict[str, float], trees: Sequence[CloneTree]) -> None:
@@ -684,13 +725,16 @@ class GRPOTrainer:
         are never saved."""
         acc = self.accelerator
         bad = [name for name, p in self._unwrapped.named_parameters()
-               if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]  # a shard under FSDP
+               # a shard under FSDP
+               if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]
         if any(gather(acc, bad)):
             raise RunError(f"not saving step {self.state.step}: parameters are not finite "
-                           f"({', '.join(bad[:3]) or 'on another process'}); the last checkpoint is kept")
+                           f"({', '.join(bad[:3]) or 'on another process'}); the last checkpoint "
+                           "is kept")
         return save_checkpoint(self.config.trainer.output_dir, self.state, self._unwrapped,
                                self.optimizer, self.scheduler, rank=acc.process_index,
-                               world_size=acc.num_processes, keep=self.config.trainer.keep_checkpoints,
+                               world_size=acc.num_processes,
+                               keep=self.config.trainer.keep_checkpoints,
                                config=asdict(self.config))
 
     def close(self) -> None:

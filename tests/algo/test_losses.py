@@ -15,8 +15,8 @@ from selfcest.algo.losses import (
     per_token_loss,
     token_choice_entropy,
     token_entropy,
-    token_logprobs,
 )
+from selfcest.modeling import token_logprobs
 
 # Two sequences of three tokens; old logprobs 0, so the ratio r is exp(logprobs).
 RATIOS = [1.5, 0.5, 1.0]
@@ -174,7 +174,8 @@ def test_token_choice_entropy_is_the_binary_entropy_of_one_token_where_asked():
     entropy = token_choice_entropy(logits, 3, where)
     for row, t in ((0, 2), (1, 1)):
         p = torch.softmax(logits[row, t - 1], -1)[3].item()
-        assert entropy[row, t].item() == pytest.approx(-p * math.log(p) - (1 - p) * math.log(1 - p), abs=1e-6)
+        assert entropy[row, t].item() == pytest.approx(-p * math.log(p) - (1 - p) * math.log(1 - p),
+                                                       abs=1e-6)
     assert entropy[where == 0].abs().max() == 0
     # The gradient moves token 3 against the rest and leaves the rest's proportions alone:
     # on every other token it is proportional to that token's probability.
@@ -187,14 +188,16 @@ def test_token_choice_entropy_is_the_binary_entropy_of_one_token_where_asked():
     # Certain choices have zero entropy and stay finite.
     certain = torch.full((1, 2, 5), -50.0)
     certain[0, 0, 1] = 50.0
-    assert token_choice_entropy(certain, 1, torch.ones(1, 2))[0, 1].item() == pytest.approx(0.0, abs=1e-6)
+    assert token_choice_entropy(certain, 1,
+                                torch.ones(1, 2))[0, 1].item() == pytest.approx(0.0, abs=1e-6)
 
 
 def test_the_decision_entropy_enters_the_loss_with_its_coefficient():
     logprobs = torch.tensor([[-1.0, -2.0]])
     decision = torch.tensor([[0.6, 0.0]])  # the first token is a root's decision
     config = LossConfig(decision_entropy_coef=0.5)
-    loss, _ = per_token_loss(logprobs, logprobs.clone(), torch.tensor([2.0]), torch.ones(1, 2), config,
+    loss, _ = per_token_loss(logprobs, logprobs.clone(), torch.tensor([2.0]), torch.ones(1, 2),
+                             config,
                              decision_entropy=decision)
     torch.testing.assert_close(loss, torch.tensor([[-2.0 - 0.3, -2.0]]))
     with pytest.raises(ValueError, match="decision entropy"):

@@ -15,7 +15,8 @@ def test_counted_work_is_a_forward_per_decoded_position_and_three_per_trained_on
     # Matmul weights of the decoder layers: 2 FLOPs per weight and position forward, 4 more
     # backward (gradients of the input and of the weight); attention and the output layer
     # add less than half of that at these lengths.
-    weights = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name and p.dim() == 2)
+    weights = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name
+                  and p.dim() == 2)
     decode_floor = 2 * weights * rows["decode"]["tokens"]
     update_floor = 6 * weights * rows["update"]["tokens"]
     assert decode_floor <= rows["decode"]["gflop"] * 1e9 <= 1.5 * decode_floor

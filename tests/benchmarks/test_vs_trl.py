@@ -54,17 +54,21 @@ def test_workload_folder_feeds_selfcest_the_prompts_and_tokens_trl_reads(tmp_pat
     assert len(schedule) == steps * vs_trl.PROMPTS_PER_STEP
 
     register_schemas()
-    config = compose("train", vs_trl.selfcest_overrides(tmp_path, "small", 0.04, steps, tmp_path / "run"),
+    config = compose("train",
+                     vs_trl.selfcest_overrides(tmp_path, "small", 0.04, steps, tmp_path / "run"),
                      TrainConfig)
     assert config.algo.loss.aggregation == "token_mean" and config.algo.credit.std_normalize
     assert config.algo.loss.kl_coef == 0.04 and config.rollout.budget.max_depth == 0
     trainer = build_trainer(config)
     try:
-        drawn = [task for _ in range(steps) for task in trainer.sampler.take(vs_trl.PROMPTS_PER_STEP)]
-        assert [(t.prompt, t.answer) for t in drawn] == [(r["prompt"], r["answer"]) for r in schedule]
+        drawn = [task for _ in range(steps)
+                 for task in trainer.sampler.take(vs_trl.PROMPTS_PER_STEP)]
+        assert [(t.prompt, t.answer) for t in drawn] == [(r["prompt"], r["answer"])
+                                                         for r in schedule]
         for task in drawn[: vs_trl.PROMPTS_PER_STEP]:
             chat = tokenizer.apply_chat_template([{"role": "user", "content": task.prompt}],
-                                                 add_generation_prompt=True, tokenize=True, return_dict=True)
+                                                 add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)
             assert trainer.policy.protocol.root_prompt(task) == list(chat["input_ids"])
     finally:
         trainer.close()
@@ -78,7 +82,8 @@ def test_weights_digest_sees_one_ulp_in_any_tensor():
     digest = vs_trl.weights_digest(model)
     assert len(digest) == 32 and vs_trl.weights_digest(twin) == digest
     inner = model.model  # the output layer is the embedding, tied
-    for tensor in (inner.embed_tokens.weight, inner.layers[-1].mlp.down_proj.weight, inner.norm.weight):
+    for tensor in (inner.embed_tokens.weight, inner.layers[-1].mlp.down_proj.weight,
+                   inner.norm.weight):
         with torch.no_grad():
             flat = tensor.view(-1)
             kept = flat[-1].clone()
@@ -109,25 +114,31 @@ def test_benchmark_prints_the_ratio_rows_at_its_shortest(tmp_path):
     assert SETUP == "bash scripts/setup_trl_env.sh" and SETUP in (REPO / ".ci/run").read_text()
     if not (REPO / ".venv-trl/bin/python").exists():
         pytest.skip(".venv-trl is missing: run bash scripts/setup_trl_env.sh")
-    command = (f"{COMMAND} --model small --steps 2 --pairs 1 --max-other-load inf --workdir {tmp_path}"
+    command = (f"{COMMAND} --model small --steps 2 --pairs 1 --max-other-load inf --workdir "
+               f"{tmp_path}"
                " --selfcest-set trainer.share_prompt_forward=false")
     done = shell(command, REPO)
     assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     number = r"\s+\d+\.\d+"
     for beta in ("0.00", "0.04"):
-        assert re.search(rf"^small\s+{beta}{number * 3}", done.stdout, re.MULTILINE), done.stdout  # TRL, selfcest, ratio
+        # TRL, selfcest, ratio
+        assert re.search(rf"^small\s+{beta}{number * 3}", done.stdout, re.MULTILINE), done.stdout
         for library in ("TRL", "selfcest"):
-            assert re.search(rf"^small\s+{beta}\s+{library}{number}", done.stdout, re.MULTILINE), done.stdout
+            assert re.search(rf"^small\s+{beta}\s+{library}{number}", done.stdout,
+                             re.MULTILINE), done.stdout
     assert "4 runs kept, 0 discarded" in done.stdout
-    configs = [json.loads(path.read_text()) for path in (tmp_path / "runs").glob("selfcest-*/config.json")]
+    configs = [json.loads(path.read_text())
+               for path in (tmp_path / "runs").glob("selfcest-*/config.json")]
     assert len(configs) == 2 and all(c["trainer"]["share_prompt_forward"] is False for c in configs)
     # Each library's runs are compared by the weights after every step.
     for beta in ("0.0", "0.04"):
         for library in ("TRL", "selfcest"):
-            assert re.search(rf"^small beta={beta}\s+{library}\s+1 run\(s\): alike at every step$", done.stdout,
+            assert re.search(rf"^small beta={beta}\s+{library}\s+1 run\(s\): alike at every step$",
+                             done.stdout,
                              re.MULTILINE), done.stdout
     results = json.loads((tmp_path / "results.json").read_text())
-    runs = [[step["weights"] for step in run] for by_library in results.values() for library_runs in by_library.values()
+    runs = [[step["weights"] for step in run] for by_library in results.values()
+            for library_runs in by_library.values()
             for run in library_runs]
     assert len(runs) == 4 and all(re.fullmatch(r"[0-9a-f]{32}", d) for run in runs for d in run)
     assert all(len(run) == len(set(run)) == 2 for run in runs)  # every step moved the weights

@@ -81,4 +81,5 @@ def keyed_tasks(count: int, keys: int = 2, prefix: str = "t") -> list[Task]:
 def inline_view(task: Task) -> Task:
     """The same task with every list written into the root's prompt."""
     inline = "\n".join(f"[{key}] {text}" for key, text in task.context.items())
-    return Task(task.id, f"{task.prompt}\n{inline}", task.answer, {}, task.source, dict(task.metadata))
+    return Task(task.id, f"{task.prompt}\n{inline}", task.answer, {}, task.source,
+                dict(task.metadata))

@@ -26,7 +26,8 @@ def direct_root(prompt: str) -> str:
         return f"Answer: {sum(int(a) for a in answers)}"
     if assistant.endswith("<spawn>"):
         return "sum @L1<sep>sum @L2</spawn>"
-    numbers = [int(n) for line in user.splitlines() if line.startswith("[") for n in line.split()[1:]]
+    numbers = [int(n) for line in user.splitlines() if line.startswith("[")
+               for n in line.split()[1:]]
     return f"Answer: {sum(numbers)}"
 
 
@@ -66,20 +67,25 @@ def test_per_size_averages_each_task_first_and_names_the_better_style():
     for i in range(20):
         # size 2: direct clearly better; free delegates on one sample of every task
         rows += [row(f"a{i}", 2, "direct", 1.0), row(f"a{i}", 2, "delegate", 0.0, True, 2),
-                 row(f"a{i}", 2, "free", 1.0), row(f"a{i}", 2, "free", 0.0, True, 4 if i == 0 else 2)]
+                 row(f"a{i}", 2, "free", 1.0),
+                 row(f"a{i}", 2, "free", 0.0, True, 4 if i == 0 else 2)]
         # size 5: the forced styles alternate which one wins: a tie
-        rows += [row(f"b{i}", 5, "direct", float(i % 2)), row(f"b{i}", 5, "delegate", float(1 - i % 2), True, 3),
+        rows += [row(f"b{i}", 5, "direct", float(i % 2)),
+                 row(f"b{i}", 5, "delegate", float(1 - i % 2), True, 3),
                  row(f"b{i}", 5, "free", 1.0, True, 3)]
     small, large = per_size(rows, resamples=200)
     assert (small.size, small.tasks, large.size) == (2, 20, 5)
     assert small.delegation_rate.value == pytest.approx(0.5)
-    assert small.delegation_rate.low == small.delegation_rate.high == pytest.approx(0.5)  # every task: 1 of 2
+    # every task: 1 of 2
+    assert small.delegation_rate.low == small.delegation_rate.high == pytest.approx(0.5)
     assert small.branching.value == pytest.approx((4 + 19 * 2) / 20)  # delegating trees only
-    assert small.reward["free"].value == pytest.approx(0.5) and small.accuracy["direct"].value == 1.0
+    assert small.reward[
+        "free"].value == pytest.approx(0.5) and small.accuracy["direct"].value == 1.0
     assert small.delegate_gain.value == pytest.approx(-1.0) and small.better == "direct"
     assert large.delegate_gain.low < 0 < large.delegate_gain.high and large.better == "tie"
     assert large.delegation_rate.value == 1.0 and large.branching.value == 3.0
-    flipped = [Decision(r.task_id, r.size, {"direct": "delegate", "delegate": "direct"}.get(r.mode, r.mode),
+    flipped = [Decision(r.task_id, r.size,
+                        {"direct": "delegate", "delegate": "direct"}.get(r.mode, r.mode),
                         r.reward, r.correct, r.delegated, r.clones, 10, 10) for r in rows]
     assert per_size(flipped, resamples=200)[0].better == "delegate"
 
@@ -89,11 +95,13 @@ def test_sizes_measured_without_the_forced_modes_have_no_oracle():
     assert only.delegate_gain is None and only.better == "tie" and set(only.reward) == {"free"}
 
 
-def test_a_real_model_that_always_spawns_solves_alone_when_forced_direct(spawning_policy, demo_task):
+def test_a_real_model_that_always_spawns_solves_alone_when_forced_direct(
+    spawning_policy, demo_task):
     """The overfit policy opens a spawn call first every time; forced direct, it never does
     (the spawn-open token is not sampled), and forced delegate it always does."""
     def run(mode: Mode) -> list[Decision]:
-        return sample_decisions(spawning_policy, [demo_task], mode, Budget(max_depth=1, node_generation=24),
+        return sample_decisions(spawning_policy, [demo_task], mode,
+                                Budget(max_depth=1, node_generation=24),
                                 SamplingParams(), exact_match, samples=8)
 
     free, direct, forced = run(Mode.FREE), run(Mode.DIRECT), run(Mode.DELEGATE)

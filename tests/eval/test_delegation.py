@@ -58,7 +58,8 @@ class Sloppy:
 def test_a_faithful_teacher_scores_one_everywhere(protocol, tasks):
     trees = teacher_trees(tasks, ChainSumTeacher(delegate=1.0), protocol, BUDGET)
     stats = delegation_stats(trees, protocol, ChainSumTeacher())
-    assert stats.roots == len(tasks) and stats.calls == len(tasks) and stats.clones == 2 * len(tasks)
+    assert stats.roots == len(
+        tasks) and stats.calls == len(tasks) and stats.clones == 2 * len(tasks)
     assert stats.parsed.value == stats.delegated.value == stats.clone_accuracy.value == 1.0
 
 
@@ -70,7 +71,8 @@ def test_malformed_calls_and_wrong_clones_are_counted(protocol, tasks):
     assert stats.calls == len(tasks) and stats.parsed.value == 0.5
     assert stats.delegated.value == 0.5  # a malformed call starts no clone
     clones = [c for t in trees for c in t.clones()]
-    wrong = sum(1 for c in clones if int(c.objective.split()[1]) >= 0 and int(c.objective.split()[1]) % 2 == 0)
+    wrong = sum(1 for c in clones if int(c.objective.split()[1]) >= 0
+                and int(c.objective.split()[1]) % 2 == 0)
     assert stats.clones == len(clones) and 0 < wrong < len(clones)
     assert stats.clone_accuracy.value == pytest.approx(1 - wrong / len(clones))
     assert stats.parsed.low < 0.5 < stats.parsed.high
@@ -86,10 +88,12 @@ def test_calls_are_resampled_by_tree(protocol, tasks):
     keeper = next(t for t in retried if t.root.spawns[0].errors)
     for tree in retried:
         if tree.root.spawns[0].errors and tree is not keeper:
-            calls = [s for s in tree.root.segments if s.trainable and protocol.spawn_open_id in s.token_ids]
+            calls = [s for s in tree.root.segments if s.trainable
+                     and protocol.spawn_open_id in s.token_ids]
             keeper.root.segments += calls
             tree.root.segments = [s for s in tree.root.segments if s not in calls]
-    one, other = (delegation_stats(trees, protocol, ChainSumTeacher()) for trees in (spread, retried))
+    one, other = (delegation_stats(trees, protocol, ChainSumTeacher())
+                  for trees in (spread, retried))
     assert len(bad) == 6 and one.calls == other.calls == 12
     assert one.parsed.value == other.parsed.value == 0.5
     assert other.parsed.high - other.parsed.low > one.parsed.high - one.parsed.low

@@ -98,7 +98,8 @@ def test_tiny_model_sweep_writes_every_output_with_consistent_numbers(tiny_polic
         cell = results.cell(row["method"], int(row["budget"]), row["split"])
         assert float(row["accuracy_high"]) == pytest.approx(cell.accuracy.high)
         assert float(row["total_tokens"]) == pytest.approx(cell.total_tokens.value)
-        assert float(row["critical_path_tokens_low"]) == pytest.approx(cell.critical_path_tokens.low)
+        assert float(
+            row["critical_path_tokens_low"]) == pytest.approx(cell.critical_path_tokens.low)
 
     markdown = (tmp_path / "results.md").read_text()
     header = next(line for line in markdown.splitlines() if line.startswith("| method | budget |"))
@@ -168,7 +169,8 @@ def counting_script():
 def test_self_consistency_votes_within_a_split_budget(tiny_policy, tmp_path):
     policy = ScriptedPolicy(tiny_policy.protocol, counting_script)
     tasks = [Task(name, f"Vote task {name}.", answer) for name, answer in REFERENCE.items()]
-    methods = [Method("mono", "monolithic", BASE), Method("sc", "self_consistency", BASE, samples=3)]
+    methods = [Method("mono", "monolithic", BASE),
+               Method("sc", "self_consistency", BASE, samples=3)]
     results = evaluate(policy, methods, {"all": tasks}, [31], exact_match, tmp_path)
 
     # Monolithic reads only each task's first sample: A 5, B 3, C 2, D (nothing).
@@ -176,7 +178,8 @@ def test_self_consistency_votes_within_a_split_budget(tiny_policy, tmp_path):
     assert results.cell("sc", 31, "all").accuracy.value == pytest.approx(3 / 4)
 
     sc_budget = policy.budgets[1]
-    assert (sc_budget.tree_generation, sc_budget.node_generation, sc_budget.max_depth) == (10, 10, 0)
+    assert (sc_budget.tree_generation, sc_budget.node_generation,
+            sc_budget.max_depth) == (10, 10, 0)
     assert all(call.max_tokens <= 10 for call in policy.backends[1].calls)
 
     cell = results.cell("sc", 31, "all")
@@ -191,7 +194,8 @@ def test_self_consistency_votes_within_a_split_budget(tiny_policy, tmp_path):
         assert elected[0].correct == (REFERENCE[name] != "1")
         assert group[0].info["vote"]["samples"] == 3
     costs = [[t.costs() for t in group] for group in by_task.values()]
-    assert cell.total_tokens.value == pytest.approx(np.mean([sum(c.generated_tokens for c in g) for g in costs]))
+    assert cell.total_tokens.value == pytest.approx(
+        np.mean([sum(c.generated_tokens for c in g) for g in costs]))
     assert cell.critical_path_tokens.value == pytest.approx(
         np.mean([max(c.critical_path_tokens for c in g) for g in costs]))
     assert cell.total_tokens.value <= 31
@@ -254,7 +258,8 @@ def test_method_validation():
     with pytest.raises(ValueError, match="allows spawning"):
         Method("m", "clones", replace(BASE, max_depth=0))
     method = Method("m", "monolithic", replace(BASE, max_depth=2, node_generation=64))
-    assert method.tree_budget(16) == replace(BASE, max_depth=0, node_generation=16, tree_generation=16)
+    assert method.tree_budget(16) == replace(BASE, max_depth=0, node_generation=16,
+                                             tree_generation=16)
     assert method.tree_budget(1000).node_generation == 64
 
 
@@ -281,11 +286,13 @@ def test_run_evaluation_with_plain_arguments(scripted, tmp_path):
     assert (tmp_path / "out" / "results.md").exists()
 
     with pytest.raises(ValueError, match="unknown field"):
-        run_evaluation(scripted, {"id": tasks_file}, [64], [{"name": "x", "kind": "clones", "k": 2}],
+        run_evaluation(scripted, {"id": tasks_file}, [64],
+                       [{"name": "x", "kind": "clones", "k": 2}],
                        exact_match, tmp_path / "bad")
 
 
-def test_a_saved_policy_is_evaluated_on_this_processs_gpu_or_the_given_device(tiny_policy, tmp_path, monkeypatch):
+def test_a_saved_policy_is_evaluated_on_this_processs_gpu_or_the_given_device(
+    tiny_policy, tmp_path, monkeypatch):
     """``selfcest-eval`` loads a saved policy where it decodes: with ``device=auto`` this
     process's GPU where there is one (`default_device`; pretended here by "meta"), else the
     device named."""
@@ -299,8 +306,10 @@ def test_a_saved_policy_is_evaluated_on_this_processs_gpu_or_the_given_device(ti
 
     monkeypatch.setattr(evaluate_module, "evaluate", record)
     for device in ("auto", "cpu"):
-        run_eval(EvalConfig(policy=str(tmp_path / "policy"), device=device, out_dir=str(tmp_path / device),
-                            splits={"id": TaskSourceConfig("keyed_sum", {"split": "test"})}, tasks_per_split=1))
+        run_eval(EvalConfig(policy=str(tmp_path / "policy"), device=device,
+                            out_dir=str(tmp_path / device),
+                            splits={"id": TaskSourceConfig("keyed_sum", {"split": "test"})},
+                            tasks_per_split=1))
     assert seen == [torch.device("meta"), torch.device("cpu")]
 
 
@@ -328,12 +337,15 @@ def test_bootstrap_ratio_resamples_groups_not_items():
     items = rng.integers(1, 6, 40)
     hits = rng.binomial(items, 0.7)
     base = bootstrap_ratio(hits, items, seed=2)
-    assert base.value == pytest.approx(hits.sum() / items.sum()) and base.low < base.value < base.high
+    assert base.value == pytest.approx(
+        hits.sum() / items.sum()) and base.low < base.value < base.high
     assert bootstrap_ratio(5 * hits, 5 * items, seed=2) == pytest.approx(base)
-    per_item = bootstrap_mean([float(i < h) for h, n in zip(5 * hits, 5 * items) for i in range(n)], seed=2)
+    per_item = bootstrap_mean([float(i < h) for h, n in zip(5 * hits, 5 * items) for i in range(n)],
+                              seed=2)
     assert per_item.high - per_item.low < 0.7 * (base.high - base.low)
     flags = (rng.random(30) < 0.4).astype(float)
-    assert bootstrap_ratio(flags, np.ones(30), seed=3) == pytest.approx(bootstrap_mean(flags, seed=3))
+    assert bootstrap_ratio(flags, np.ones(30),
+                           seed=3) == pytest.approx(bootstrap_mean(flags, seed=3))
     for bad in (([1.0], [0.0]), ([1.0], [1.0, 2.0]), ([], [])):
         with pytest.raises(ValueError):
             bootstrap_ratio(*bad)

@@ -27,7 +27,8 @@ def points(*pairs: tuple[float, float]) -> list[ParetoPoint]:
 
 
 def test_frontier_keeps_exactly_the_non_dominated_points():
-    a, b, c, d, e, f, g = points((10, .5), (20, .7), (15, .4), (20, .6), (30, .7), (10, .5), (5, .1))
+    a, b, c, d, e, f, g = points((10, .5), (20, .7), (15, .4), (20, .6), (30, .7), (10, .5),
+                                 (5, .1))
     # c: worse and dearer than a; d: as dear as b, less accurate; e: as accurate as b, dearer.
     # f duplicates a (neither strictly dominates the other): both stay. g is cheapest: it stays.
     assert pareto_frontier([e, d, c, b, a, f, g]) == [g, a, f, b]
@@ -67,7 +68,8 @@ def test_crossing_frontiers_dominate_neither_way():
     assert frontier_dominates(strong, weak) and not frontier_dominates(weak, strong)
 
 
-def make_cell(method: str, budget: int, split: str, accuracy: float, tokens: float, path: float) -> CellResult:
+def make_cell(method: str, budget: int, split: str, accuracy: float, tokens: float,
+              path: float) -> CellResult:
     def around(value: float, spread: float) -> Estimate:
         return Estimate(value, value - spread, value + spread)
 
@@ -103,8 +105,10 @@ def results() -> EvalResults:
 def test_compare_frontiers_per_split_and_cost(results):
     assert method_points(results, "clones", "id", "critical_path_tokens") == [
         ParetoPoint(60, .6, "clones @ 128"), ParetoPoint(110, .8, "clones @ 256")]
-    assert compare_frontiers(results, "clones", "mono", "total_tokens") == {"id": False, "ood": False}
-    assert compare_frontiers(results, "clones", "mono", "critical_path_tokens") == {"id": True, "ood": False}
+    assert compare_frontiers(results, "clones", "mono",
+                             "total_tokens") == {"id": False, "ood": False}
+    assert compare_frontiers(results, "clones", "mono",
+                             "critical_path_tokens") == {"id": True, "ood": False}
     assert compare_frontiers(results, "mono", "clones") == {"id": False, "ood": True}
     with pytest.raises(KeyError, match="sc@4"):
         compare_frontiers(results, "sc@4", "mono")
@@ -123,7 +127,8 @@ def test_report_files_from_results(results, tmp_path):
     assert float(rows[0]["accuracy_low"]) == pytest.approx(0.5)
 
     markdown = files.markdown.read_text()
-    assert "| clones | 128 | 0.600 [0.500, 0.700] | 120.0 [110.0, 130.0] | 60.0 [55.0, 65.0] | 2.00 |" in markdown
+    assert ("| clones | 128 | 0.600 [0.500, 0.700] | 120.0 [110.0, 130.0] | 60.0 [55.0, 65.0] | "
+            "2.00 |") in markdown
     # Per split: dominance on total tokens / on critical-path tokens.
     assert "| clones | mono | no / yes | no / no |" in markdown
     assert "| mono | clones | no / no | yes / yes |" in markdown

@@ -49,7 +49,8 @@ def hostile_trees() -> list[CloneTree]:
         segments=[sampled("Answer: 7 " + IMG + "\x06", 6), injected("notice", "cut " + BREAKOUT)],
         finish_reason="budget", answer="7", generation_budget=21,
     ))
-    failed = CloneTree(task_id="task-failed", task_index=1, sample_index=0, reward=0.0, correct=False)
+    failed = CloneTree(task_id="task-failed", task_index=1, sample_index=0, reward=0.0,
+                       correct=False)
     failed.add(Node("0", None, 0, None, [1], segments=[sampled("half " + IMG, 2)],
                     finish_reason="error", error="RuntimeError: " + SCRIPT, generation_budget=64))
     return [tree, failed]
@@ -86,7 +87,8 @@ def test_page_shows_nodes_segments_errors_and_costs():
     assert not re.search(r"<[^>]*\b(src|href)\s*=", page)  # no element fetches anything
     assert "default-src 'none'" in page
     summary = page[page.index("<table class=\"summary\">"): page.index("</table>")]
-    assert "<td>all trees</td><td class=\"num\">2</td><td class=\"num\">0.500 (2 scored)</td>" in summary
+    assert ("<td>all trees</td><td class=\"num\">2</td>"
+            "<td class=\"num\">0.500 (2 scored)</td>") in summary
     assert "clones @ 64 on id" in summary and "trees without evaluation info" in summary
     assert "<td>all trees</td><td class=\"num\">0</td><td class=\"num\">n/a</td>" in render_html([])
     root_part, clone_part = page.split("<strong>clone 0.0</strong>", 1)
@@ -98,7 +100,8 @@ def test_page_shows_nodes_segments_errors_and_costs():
     assert "class=\"spawn-errors\"" in page and "unknown context key(s) NOPE" in page
     assert "RuntimeError: &lt;script&gt;" in page
     # Clones are nested inside their parent's <details>, under the spawn call.
-    assert '<div class="children"><details class="node" open><summary><strong>clone 0.0</strong>' in page
+    assert ('<div class="children"><details class="node" open>'
+            '<summary><strong>clone 0.0</strong>') in page
     assert page.index("<strong>clone 0.0</strong>") < page.index("Answer: 42")
 
 
@@ -133,7 +136,8 @@ def test_evaluated_trees_render_with_their_cells(tiny_policy, tmp_path):
 # ---------------------------------------------------------------------------- Chromium
 
 CHROMIUM = shutil.which("chromium")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium)")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None,
+                                    reason="Chromium is not installed (apt-get install chromium)")
 
 
 def chromium(tmp_path, *args: str) -> str:
@@ -163,7 +167,8 @@ def test_chromium_dom_holds_the_text_and_no_injected_element(tmp_path, page_url)
     assert dom.count("<script") == 1 and "<img" not in dom  # injected markup stayed text
     assert "data-pwned=" not in dom  # and nothing injected ran
     assert 'data-js="on"' in dom  # while the page's own script did (its CSP hash matches)
-    assert "look @L1 &lt;script&gt;document.body.setAttribute('data-pwned', 'script')&lt;/script&gt;" in dom
+    assert ("look @L1 &lt;script&gt;document.body.setAttribute('data-pwned', "
+            "'script')&lt;/script&gt;") in dom
     assert "Answer: 42" in dom and "unknown context key(s) NOPE" in dom
     assert dom.count("<details") == 5
 

@@ -12,9 +12,9 @@ import pytest
 from selfcest.configure import validate
 from selfcest.eval.decisions import sample_trees
 from selfcest.experiments import controller, controller_sweep
+from selfcest.experiments.common import compose
 from selfcest.experiments.controller import held_out_by_size, refresh, run, steps_to_fraction
 from selfcest.experiments.controller_sweep import SweepConfig, sweep, write_summary
-from selfcest.experiments.cpu_repro import compose
 from selfcest.train.config import load_split
 
 SETTINGS = {  # (per processed token, per critical-path token)
@@ -31,7 +31,8 @@ def test_every_setting_composes_and_differs_only_in_its_cost(name):
         assert replace(config.trainer, output_dir="") == replace(base.trainer, output_dir="")
     cost = config.task.reward_params["cost"]
     assert SETTINGS[name] == (cost["per_processed_token"], cost.get("per_critical_path_token", 0.0))
-    assert cost.get("per_token", 0.0) == 0.0  # clones' prompts and returns cost as much as generations
+    # clones' prompts and returns cost as much as generations
+    assert cost.get("per_token", 0.0) == 0.0
 
 
 def test_held_out_tasks_come_per_size_and_never_from_training():
@@ -56,48 +57,62 @@ def results(name: str, seed: int, beats: bool) -> dict:
     record = {"name": name, "credit": "broadcast", "cost": "token", "lambda": 0.002, "seed": seed,
               "sizes": [2, 6], "boundary": {"warm start": 2, "RL": 6},
               "p_delegate": {"warm start": [0.5, 1.0], "RL": [0.1, 1.0]},
-              "clones_per_call": {"warm start": [2.0, 3.0], "RL": [None, 2.5]}, "oracle_rl": ["direct", "delegate"],
+              "clones_per_call": {"warm start": [2.0, 3.0], "RL": [None, 2.5]},
+              "oracle_rl": ["direct", "delegate"],
               "oracle": ["direct", "delegate"]}
     return {"name": name, "seed": seed, "reward": {"warm start": 0.1, "RL": 0.3},
             "rl_minus_start": {"value": 0.2, "low": 0.1 if beats else -0.1, "high": 0.3},
             "rl_minus_best_forced": {"value": 0.0, "low": -0.005, "high": 0.01},
-            "beats_start": beats, "matches_best_forced": True, "decisive_sizes": [6], "indecisive_sizes": [2],
-            "skills_kept": [{"size": 2, "style": "direct", "warm start": 1.0, "RL": 0.99, "kept": True}],
+            "beats_start": beats, "matches_best_forced": True, "decisive_sizes": [6],
+            "indecisive_sizes": [2],
+            "skills_kept": [{"size": 2, "style": "direct", "warm start": 1.0, "RL": 0.99,
+                             "kept": True}],
             "decision_room": 0.05,
             "steps_to_90": 12, "per_size": {"warm start": sizes, "RL": sizes}, "record": record}
 
 
 def test_the_sweep_shares_a_warm_start_per_seed_and_resumes(tmp_path, monkeypatch):
-    config = SweepConfig(experiments=["controller_free", "controller"], credit_experiment="controller",
+    config = SweepConfig(experiments=["controller_free", "controller"],
+                         credit_experiment="controller",
                          credits=["broadcast", "ratio"], seeds=[0, 1], output_dir=str(tmp_path))
-    assert config.runs() == [("controller_free", "broadcast"), ("controller", "broadcast"), ("controller", "ratio")]
+    assert config.runs() == [("controller_free", "broadcast"), ("controller", "broadcast"),
+                             ("controller", "ratio")]
     done = tmp_path / "controller_free-broadcast" / "seed1"
     done.mkdir(parents=True)
     (done / "results.json").write_text(json.dumps(results("controller_free", 1, True)))
     calls = []
 
     def fake_run(train_config, log):
-        calls.append((train_config.name, train_config.trainer.seed, str(train_config.algo.credit.strategy),
+        calls.append((train_config.name, train_config.trainer.seed,
+                      str(train_config.algo.credit.strategy),
                       train_config.warm_start.policy))
-        folder = tmp_path / f"{train_config.name}-{train_config.algo.credit.strategy}" / f"seed{train_config.trainer.seed}"
+        arm = f"{train_config.name}-{train_config.algo.credit.strategy}"
+        folder = tmp_path / arm / f"seed{train_config.trainer.seed}"
         folder.mkdir(parents=True)
-        (folder / "results.json").write_text(json.dumps(results(train_config.name, train_config.trainer.seed, False)))
+        (folder / "results.json").write_text(
+            json.dumps(results(train_config.name, train_config.trainer.seed, False)))
 
     monkeypatch.setattr(controller_sweep, "run", fake_run)
     refreshed = []
-    monkeypatch.setattr(controller_sweep, "refresh", lambda c, log: refreshed.append(c.trainer.output_dir))
+    monkeypatch.setattr(controller_sweep, "refresh", lambda c,
+                        log: refreshed.append(c.trainer.output_dir))
     summary = sweep(config, log=lambda message: None).read_text()
     assert refreshed == []  # finished runs are left as they are unless asked
     sweep(replace(config, refresh=True), log=lambda message: None)
     assert len(refreshed) == 6 and len(calls) == 5
     first = str(tmp_path / "controller_free-broadcast" / "seed0" / "sft")
-    assert calls == [("controller_free", 0, "broadcast", None), ("controller", 0, "broadcast", first),
+    assert calls == [("controller_free", 0, "broadcast", None),
+                     ("controller", 0, "broadcast", first),
                      ("controller", 0, "ratio", first),  # seed 1's first run was done already
-                     ("controller", 1, "broadcast", str(done / "sft")), ("controller", 1, "ratio", str(done / "sft"))]
+                     ("controller", 1, "broadcast", str(done / "sft")),
+                     ("controller", 1, "ratio", str(done / "sft"))]
     assert "| controller_free | broadcast | 2 | 0.300 | +0.200 | 1/2 |" in summary
-    assert "| controller_free | broadcast | token | 0.002 | 6, 6 | 2: 0.10 6: 1.00 | 2: – 6: 2.50 | DG DG |" in summary
-    assert (tmp_path / "delegation_rate.png").stat().st_size > 0 and (tmp_path / "decisions.png").stat().st_size > 0
-    assert "controller_free (broadcast), seed 1: RL − warm start +0.200 [+0.100, +0.300]: **gains**" in summary
+    assert ("| controller_free | broadcast | token | 0.002 | 6, 6 | 2: 0.10 6: 1.00 | 2: – 6: 2.50 "
+            "| DG DG |") in summary
+    assert (tmp_path / "delegation_rate.png").stat().st_size > 0 and (
+        tmp_path / "decisions.png").stat().st_size > 0
+    assert ("controller_free (broadcast), seed 1: RL − warm start +0.200 [+0.100, +0.300]: "
+            "**gains**") in summary
     assert "seed 0: RL − warm start +0.200 [-0.100, +0.300]: **does not gain**" in summary
     records = json.loads((tmp_path / "controller_sweep.json").read_text())
     assert sorted((r["name"], r["seed"]) for r in records) == [
@@ -116,8 +131,9 @@ def test_quick_controller_run_measures_every_mode_and_reports(tmp_path, monkeypa
     summary = run(config, log=lambda message: None)
     rows = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     # 2 policies x 3 modes x (2 trained sizes + OOD) x 8 tasks x 1 sample
-    assert Counter((r["policy"], r["mode"]) for r in rows) == {(p, m): 24 for p in ("warm start", "RL")
-                                                              for m in ("free", "direct", "delegate")}
+    assert Counter((r["policy"], r["mode"])
+                   for r in rows) == {(p, m): 24 for p in ("warm start", "RL")
+                                     for m in ("free", "direct", "delegate")}
     assert all(r["delegated"] for r in rows if r["mode"] == "delegate")
     assert not any(r["clones"] for r in rows if r["mode"] == "direct")
     assert [row["size"] for row in summary["per_size"]["RL"]] == [2, 5, 9]
@@ -138,9 +154,10 @@ def test_quick_controller_run_measures_every_mode_and_reports(tmp_path, monkeypa
     refreshed = refresh(config, log=lambda message: None)
     assert json.loads(json.dumps(refreshed)) == saved and (tmp_path / "report.md").exists()
     # A second setting of the seed re-scores the warm start's trees instead of sampling them.
-    again = compose("controller_quick", [f"trainer.output_dir={tmp_path / 'free'}", "log.progress=false",
-                                         f"warm_start.policy={tmp_path / 'sft'}",
-                                         "task.reward_params.cost.per_processed_token=0.0"])
+    again = compose("controller_quick",
+                    [f"trainer.output_dir={tmp_path / 'free'}", "log.progress=false",
+                     f"warm_start.policy={tmp_path / 'sft'}",
+                     "task.reward_params.cost.per_processed_token=0.0"])
     sampled = []
 
     def counting(policy, tasks, mode, *args, **kwargs):
@@ -150,12 +167,15 @@ def test_quick_controller_run_measures_every_mode_and_reports(tmp_path, monkeypa
     monkeypatch.setattr(controller, "sample_trees", counting)
     free = run(again, log=lambda message: None)
     assert len(sampled) == 3  # the RL policy's three modes; the warm start's came from its folder
-    before = {r["size"]: r["accuracy"]["delegate"]["value"] for r in summary["per_size"]["warm start"]}
-    assert {r["size"]: r["accuracy"]["delegate"]["value"] for r in free["per_size"]["warm start"]} == before
+    before = {r["size"]: r["accuracy"]["delegate"]["value"]
+              for r in summary["per_size"]["warm start"]}
+    assert {r["size"]: r["accuracy"]["delegate"]["value"]
+            for r in free["per_size"]["warm start"]} == before
 
 
 def test_a_warm_start_saved_before_an_interruption_is_not_trained_again(tmp_path, monkeypatch):
-    config = SweepConfig(experiments=["controller"], credits=["broadcast"], seeds=[0], output_dir=str(tmp_path))
+    config = SweepConfig(experiments=["controller"], credits=["broadcast"], seeds=[0],
+                         output_dir=str(tmp_path))
     saved = tmp_path / "controller-broadcast" / "seed0" / "sft"
     saved.mkdir(parents=True)
     (saved / "config.json").write_text("{}")

@@ -9,18 +9,16 @@ import json
 import pytest
 import torch
 
-from selfcest.experiments import cpu_repro
 from selfcest.configure import ConfigError
-from selfcest.experiments.cpu_repro import (
+from selfcest.experiments import common, cpu_repro
+from selfcest.experiments.common import (
     check_resume,
     compose,
     load_policy,
-    monolithic_twin,
-    run,
     train_arm,
-    validation_score,
     warm_start_folder,
 )
+from selfcest.experiments.cpu_repro import monolithic_twin, run, validation_score
 from selfcest.train.config import validate
 
 # The clone arm's held-out reward gain in the quick variant, measured on this 2-core machine
@@ -49,7 +47,8 @@ def test_quick_reproduction_learns_and_reports(tmp_path):
                  "eval/pareto_critical_path.png", "training_curves.png", "eval/trace.html",
                  "eval/results.csv"):
         assert (tmp_path / name).stat().st_size > 0, name
-    assert set(outcome["timings"]) >= {"warm start (SFT)", "GRPO, clones", "GRPO, monolithic", "total"}
+    assert set(outcome["timings"]) >= {"warm start (SFT)", "GRPO, clones", "GRPO, monolithic",
+                                       "total"}
 
 
 @pytest.mark.parametrize("strategy", ["sibling", "counterfactual"])
@@ -73,32 +72,39 @@ def test_a_finished_arm_resumed_trains_nothing_and_keeps_its_history(tiny_cpu_re
     messages = []
     resumed = tiny_cpu_repro(tmp_path, "trainer.resume=true", "eval.tasks_per_split=8")
     _, again = train_arm(resumed, start, tmp_path / "arm", log=messages.append)
-    assert messages == [f"resuming {tmp_path / 'arm'} from step_000002"]  # eval.* changes nothing trained
+    # eval.* changes nothing trained
+    assert messages == [f"resuming {tmp_path / 'arm'} from step_000002"]
     assert {path: path.stat().st_mtime_ns for path in written} == written  # no step, no save
     assert [row["reward/mean"] for row in again] == [row["reward/mean"] for row in history]
 
 
 def test_a_stopped_arm_trains_the_steps_it_had_left(tiny_cpu_repro, tmp_path):
-    straight = train_arm(tiny_cpu_repro(tmp_path / "straight"), tiny_cpu_repro(tmp_path).warm_start.policy,
+    straight = train_arm(tiny_cpu_repro(tmp_path / "straight"),
+                         tiny_cpu_repro(tmp_path).warm_start.policy,
                          tmp_path / "straight", log=lambda message: None)[1]
     one_step = tiny_cpu_repro(tmp_path, "trainer.steps=1")
     train_arm(one_step, one_step.warm_start.policy, tmp_path / "arm", log=lambda message: None)
 
     messages = []
-    resumed = tiny_cpu_repro(tmp_path, "trainer.resume=true", "trainer.resume_changes=[trainer.steps]")
-    _, history = train_arm(resumed, resumed.warm_start.policy, tmp_path / "arm", log=messages.append)
-    assert messages == [f"resuming {tmp_path / 'arm'} from step_000001; its config differed in trainer.steps"]
+    resumed = tiny_cpu_repro(tmp_path, "trainer.resume=true",
+                             "trainer.resume_changes=[trainer.steps]")
+    _, history = train_arm(resumed, resumed.warm_start.policy, tmp_path / "arm",
+                           log=messages.append)
+    assert messages == [f"resuming {tmp_path / 'arm'} from step_000001; its config differed in "
+                        "trainer.steps"]
     assert [row["step"] for row in history] == [1, 2]
     # The run resumed after step 1 samples and scores what the straight run did at step 2.
     assert json.dumps(history[1]["reward/mean"]) == json.dumps(straight[1]["reward/mean"])
 
 
 def test_a_checkpoint_path_cannot_resume_every_run_of_an_experiment(tiny_cpu_repro, tmp_path):
-    with pytest.raises(ConfigError, match="trainer.resume='runs/x/checkpoints/step_000002'.*use trainer.resume=true"):
+    with pytest.raises(ConfigError, match="trainer.resume='runs/x/checkpoints/step_000002'.*use "
+                                          "trainer.resume=true"):
         check_resume(tiny_cpu_repro(tmp_path, "trainer.resume=runs/x/checkpoints/step_000002"))
 
 
-def test_a_finished_warm_start_is_reused_when_resuming_and_trained_again_otherwise(tiny_cpu_repro, tmp_path):
+def test_a_finished_warm_start_is_reused_when_resuming_and_trained_again_otherwise(
+    tiny_cpu_repro, tmp_path):
     fresh = tiny_cpu_repro(tmp_path, "warm_start.policy=null")
     warm_start_folder(fresh, tmp_path / "sft", log=lambda message: None)
     weights = tmp_path / "sft/model.safetensors"
@@ -114,7 +120,8 @@ def test_a_finished_warm_start_is_reused_when_resuming_and_trained_again_otherwi
     assert weights.stat().st_mtime_ns != trained_at
 
 
-def test_the_warm_start_is_validated_on_both_arms_and_scored_by_the_weaker(tiny_cpu_repro, tmp_path, monkeypatch):
+def test_the_warm_start_is_validated_on_both_arms_and_scored_by_the_weaker(tiny_cpu_repro, tmp_path,
+                                                                            monkeypatch):
     """Each arm solves the validation tasks greedily in its own view and budget (the clone
     arm's keys-only prompts with spawning on, the twin's printed lists with it off); the
     score is the weaker arm's accuracy."""
@@ -126,7 +133,7 @@ def test_the_warm_start_is_validated_on_both_arms_and_scored_by_the_weaker(tiny_
         depths.append((budget.max_depth, sampling.temperature))
         return engine(budget, sampling, **kwargs)
 
-    def monolithic_right(trees, tasks, reward_fn):  # the twin's answers right, the clones' wrong
+    def monolithic_right(trees, tasks, reward_fn):  # the twin right, the clones wrong
         prompts.append([t.prompt for t in tasks])
         for tree in trees:
             tree.correct = depths[-1][0] == 0
@@ -139,13 +146,14 @@ def test_the_warm_start_is_validated_on_both_arms_and_scored_by_the_weaker(tiny_
     assert validation_score(tiny_cpu_repro(tmp_path, "warm_start.validation_tasks=0")) is None
 
 
-def test_an_experiment_evaluates_a_saved_policy_on_this_processs_gpu_with_the_run_backend(tiny_policy, tmp_path,
-                                                                                           monkeypatch):
+def test_an_experiment_evaluates_a_saved_policy_on_this_processs_gpu_with_the_run_backend(
+    tiny_policy, tmp_path,
+    monkeypatch):
     """Every experiment loads its saved policies (`load_policy`) where it decodes, this
     process's GPU where there is one ("meta" pretends one here), decoding with the run's
     rollout.backend and its vLLM settings."""
     tiny_policy.save_pretrained(tmp_path / "policy")
-    monkeypatch.setattr(cpu_repro, "default_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(common, "default_device", lambda: torch.device("meta"))
     config = compose("cpu_repro_quick", ["rollout.vllm.dtype=float32"])
     config.rollout.backend = "vllm"  # set after validation: vLLM need not be installed to read it
     policy = load_policy(config, tmp_path / "policy")

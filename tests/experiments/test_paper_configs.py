@@ -54,11 +54,14 @@ def group(source: str) -> tuple[list[CloneTree], Task]:
     task = Task("t", "What is 3 + 4?", "7", source=source)
     good = CloneTree(task_id="t", task_index=0, sample_index=0)
     good.add(Node("0", None, 0, None, [1, 2], segments=[
-        sampled('<tool_call>{"name": "spawn_clone"}</tool_call>'), Segment("return", [0], None, "7"),
+        sampled('<tool_call>{"name": "spawn_clone"}</tool_call>'),
+        Segment("return", [0], None, "7"),
         sampled("Answer: 7")], spawns=[Spawn(0, ["0.0"])], finish_reason="eos"))
-    good.add(Node("0.0", "0", 1, "add 3 and 4", [1], segments=[sampled("Answer: 7")], finish_reason="eos"))
+    good.add(Node("0.0", "0", 1, "add 3 and 4", [1], segments=[sampled("Answer: 7")],
+                  finish_reason="eos"))
     wrong = CloneTree(task_id="t", task_index=0, sample_index=1)
-    wrong.add(Node("0", None, 0, None, [1, 2], segments=[sampled("Answer: 5")], finish_reason="eos"))
+    wrong.add(Node("0", None, 0, None, [1, 2], segments=[sampled("Answer: 5")],
+                   finish_reason="eos"))
     for tree in (good, wrong):  # what the engine decodes from each node's final turn
         for node in tree.nodes.values():
             node.final_text = node.last_turn_text()

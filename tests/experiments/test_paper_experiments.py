@@ -89,5 +89,6 @@ def test_own_data_lines_train_one_step(tmp_path):
     for command in OWN_DATA:
         done = shell(runnable(command, tmp_path), tmp_path)
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
-    (step,) = [json.loads(line) for line in (tmp_path / "runs/default/metrics.jsonl").read_text().splitlines()]
+    (step,) = [json.loads(line)
+               for line in (tmp_path / "runs/default/metrics.jsonl").read_text().splitlines()]
     assert step["step"] == 1 and "eval/accuracy" in step

@@ -10,7 +10,8 @@ import pytest
 from selfcest.eval.report import markdown_report
 from selfcest.eval.results import CellResult, EvalResults
 from selfcest.eval.stats import Estimate
-from selfcest.experiments.cpu_repro import compose, monolithic_twin
+from selfcest.experiments.common import compose
+from selfcest.experiments.cpu_repro import monolithic_twin
 from selfcest.experiments.report import rl_verdict, write_repro_report
 from selfcest.train.config import EvaluationConfig
 from selfcest.tree import CloneTree, Node, Segment
@@ -64,7 +65,8 @@ def trees(method: str, hits: list[int]) -> list[CloneTree]:
             tree = CloneTree(task_id=f"t{i}", task_index=i, sample_index=k, reward=float(right),
                              correct=right, info=info)
             tree.add(Node("0", None, 0, None, [1, 2],
-                          segments=[Segment("sampled", [3, 4, 5], [-0.1] * 3, "Answer: <b>{{ 7*7 }}</b>")],
+                          segments=[Segment("sampled", [3, 4, 5], [-0.1] * 3,
+                                            "Answer: <b>{{ 7*7 }}</b>")],
                           finish_reason="eos", answer="{{ 7*7 }}"))
             made.append(tree)
     return made
@@ -78,7 +80,8 @@ def cell(out, method: str, budget: int, split: str) -> CellResult:
     total, critical = (budget * share for share in COST[method])
     return CellResult(
         method=method, kind="clones", samples=1, budget=budget, split=split, tasks=TASKS,
-        trees=TASKS, accuracy=Estimate(accuracy, max(0.0, accuracy - 0.25), min(1.0, accuracy + 0.25)),
+        trees=TASKS,
+        accuracy=Estimate(accuracy, max(0.0, accuracy - 0.25), min(1.0, accuracy + 0.25)),
         total_tokens=Estimate(total, total - 1, total + 1),
         critical_path_tokens=Estimate(critical, critical - 1, critical + 1),
         clones=1.0, spawn_error_rate=0.0, budget_truncated_rate=0.0, error_rate=0.0,
@@ -113,9 +116,11 @@ def section(text: str, title: str) -> str:
 
 def test_report_has_every_section_in_order(report):
     text, _ = report
-    assert text.startswith("# CPU reproduction: cpu_repro_quick\n\nDoes a small model trained end to end")
+    assert text.startswith("# CPU reproduction: cpu_repro_quick\n\nDoes a small model trained end "
+                           "to end")
     titles = [line for line in text.splitlines() if line.startswith("## ")]
-    assert titles == ["## Setup", "## Wall time", "## Findings", "## Evidence", "## Full evaluation",
+    assert titles == ["## Setup", "## Wall time", "## Findings", "## Evidence",
+                      "## Full evaluation",
                       # results.md, its title dropped
                       "## Accuracy and cost", "## Diagnostics", "## Frontier dominance"]
     assert text.endswith("\n")
@@ -123,12 +128,14 @@ def test_report_has_every_section_in_order(report):
 
 def test_setup_states_model_task_budgets_and_training(report):
     setup = section(report[0], "Setup")
-    assert "- Model: `mini` Qwen2 built locally, random init (seed 0); tokenizer trained in memory." in setup
+    assert ("- Model: `mini` Qwen2 built locally, random init (seed 0); tokenizer trained in "
+            "memory.") in setup
     assert "- Task: `keyed_sum` {" in setup and "the clone arm's root sees the keys only" in setup
-    assert "- Per-node budgets (both arms): generation 128, context 192 tokens; training tree budget 1024 tokens." in setup
+    assert ("- Per-node budgets (both arms): generation 128, context 192 tokens; training tree "
+            "budget 1024 tokens.") in setup
     assert "- GRPO, each arm: 16 steps × " in setup
-    assert ("- Evaluation: budgets [256, 1024] total generated tokens per task, 4 held-out tasks per "
-            "split, greedy decoding") in setup
+    assert ("- Evaluation: budgets [256, 1024] total generated tokens per task, 4 held-out tasks "
+            "per split, greedy decoding") in setup
 
 
 def test_setup_of_a_pretrained_model_on_another_task(tmp_path):
@@ -147,13 +154,16 @@ def test_setup_of_a_pretrained_model_on_another_task(tmp_path):
 
 def test_wall_time_and_held_out_reward_tables(report):
     text = report[0]
-    assert "| phase | seconds |\n| --- | --- |\n| warm start (SFT) | 79 |\n| GRPO, clones | 61 |\n" in text
+    assert ("| phase | seconds |\n| --- | --- |\n| warm start (SFT) | 79 |\n"
+            "| GRPO, clones | 61 |\n") in text
     assert "| total | 250 |" in text
     findings = section(text, "Findings")
     assert "2 samples per task, 4 in-distribution tasks never trained on" in findings
-    assert "| clones | 0.512 | 0.400 | +0.112 [+0.050, +0.170] | 0.61 | 0.50 | gains |" in findings
-    assert ("| monolithic | 0.300 | 0.320 | -0.020 [-0.080, +0.040] | 0.40 | 0.42 | no resolved change: -0.020 "
-            "is within the interval's half-width 0.060 (the SFT start left 0.58 of accuracy to gain) |") in findings
+    assert ("| clones | 0.512 | 0.400 | +0.112 [+0.050, +0.170] | 0.61 | 0.50 | gains |"
+            in findings)
+    assert ("| monolithic | 0.300 | 0.320 | -0.020 [-0.080, +0.040] | 0.40 | 0.42 | no resolved "
+            "change: -0.020 is within the interval's half-width 0.060 (the SFT start left 0.58 of "
+            "accuracy to gain) |") in findings
 
 
 def test_accuracy_against_the_sft_start_and_frontiers(report):
@@ -165,13 +175,17 @@ def test_accuracy_against_the_sft_start_and_frontiers(report):
     # sc@4 at 256 costs 26 critical-path tokens, less than any clone point: not covered.
     assert "| clones | monolithic | in-distribution | yes | yes |" in findings
     assert "| clones | sc@4 | out-of-distribution | yes | no |" in findings
-    assert "| split | budget | clones | monolithic | sc@4 | clones − monolithic | clones − sc@4 |" in findings
+    assert ("| split | budget | clones | monolithic | sc@4 | clones − monolithic "
+            "| clones − sc@4 |") in findings
     assert "| in-distribution | 256 | 0.50 | 0.00 | 0.25 | +0.50 [" in findings
     # The lead over sc@4 compares with its vote (the elected sample): clones [1, 1, 0, 0]
     # against the vote's [1, 0, 0, 0] at 256, and [1, 1, 1, 0] against [1, 1, 0, 0] at 1024.
-    assert "| in-distribution | 256 | 0.50 | 0.00 | 0.25 | +0.50 [+0.00, +1.00] | +0.25 [+0.00, +0.75] |" in findings
-    assert "| out-of-distribution | 1024 | 0.75 | 0.25 | 0.50 | +0.50 [+0.00, +1.00] | +0.25 [+0.00, +0.75] |" in findings
-    assert "- out-of-distribution, clones: accuracy 0.75 [0.50, 1.00], 512 tokens, critical path 256" in findings
+    assert ("| in-distribution | 256 | 0.50 | 0.00 | 0.25 | +0.50 [+0.00, +1.00] | +0.25 [+0.00, "
+            "+0.75] |") in findings
+    assert ("| out-of-distribution | 1024 | 0.75 | 0.25 | 0.50 | +0.50 [+0.00, +1.00] | +0.25 "
+            "[+0.00, +0.75] |") in findings
+    assert ("- out-of-distribution, clones: accuracy 0.75 [0.50, 1.00], 512 tokens, critical path "
+            "256") in findings
 
 
 def test_example_trees_evidence_and_full_evaluation(report):
@@ -181,7 +195,8 @@ def test_example_trees_evidence_and_full_evaluation(report):
     evidence = section(text, "Evidence")
     assert "[training_curves.png](training_curves.png)" in evidence
     assert "![Pareto, total tokens](eval/pareto_total_tokens.png)" in evidence
-    full = text.split("\n## Full evaluation\n\nBudgets (total generated tokens per task): 256, 1024.", 1)[1]
+    full = text.split("\n## Full evaluation\n\nBudgets (total generated tokens per task): 256, "
+                      "1024.", 1)[1]
     assert "# Evaluation" not in full and "| method | budget |" in full
     assert (out / "training_curves.png").stat().st_size > 0
     page = (out / "eval" / "trace.html").read_text()
@@ -192,6 +207,8 @@ def test_example_trees_evidence_and_full_evaluation(report):
 def test_every_rl_arm_is_said_to_gain_lose_or_not_and_why():
     assert rl_verdict(0.05, 0.01, 0.09, 0.4) == "gains"
     assert rl_verdict(-0.05, -0.09, -0.01, 0.4) == "loses"
-    assert rl_verdict(0.0, 0.0, 0.0, 0.0) == "no change: every task scored the same before and after RL"
-    assert rl_verdict(0.01, -0.03, 0.05, 0.98) == ("no resolved change: +0.010 is within the interval's "
-                                                   "half-width 0.040 (the SFT start left 0.02 of accuracy to gain)")
+    assert rl_verdict(0.0, 0.0, 0.0, 0.0) == (
+        "no change: every task scored the same before and after RL")
+    assert rl_verdict(0.01, -0.03, 0.05, 0.98) == (
+        "no resolved change: +0.010 is within the interval's half-width 0.040 (the SFT start "
+        "left 0.02 of accuracy to gain)")

@@ -17,12 +17,14 @@ def quietly(config):
     return run(config, log=lambda message: None)
 
 
-def test_every_seed_trains_its_own_policy_and_is_measured_against_the_warm_start(tiny_cpu_repro, tmp_path):
+def test_every_seed_trains_its_own_policy_and_is_measured_against_the_warm_start(
+    tiny_cpu_repro, tmp_path):
     config = tiny_cpu_repro(tmp_path, "eval.seeds=2")
     results = quietly(config)
     assert results["seeds"] == [0, 1]
     start = ClonePolicy.from_pretrained(config.warm_start.policy).model.state_dict()
-    trained = [ClonePolicy.from_pretrained(tmp_path / f"seed{s}/policy").model.state_dict() for s in (0, 1)]
+    trained = [ClonePolicy.from_pretrained(tmp_path / f"seed{s}/policy").model.state_dict()
+               for s in (0, 1)]
     assert any(not torch.equal(start[k], trained[0][k]) for k in start)  # RL moved the weights
     assert any(not torch.equal(trained[0][k], trained[1][k]) for k in start)  # and the seeds differ
     for row in results["runs"]:
@@ -55,7 +57,8 @@ def test_a_stopped_run_resumes_with_the_seeds_it_finished(tiny_cpu_repro, tmp_pa
     assert policy.stat().st_mtime_ns == trained_at  # seed 0 was not trained again...
     assert f"reusing {tmp_path / 'seed0/result.json'}" in messages
     assert resumed["runs"][0] == first["runs"][0]  # ...its measurement was kept
-    assert resumed["summary"]["in-distribution"]["start"] == first["summary"]["in-distribution"]["start"]
+    assert resumed[
+        "summary"]["in-distribution"]["start"] == first["summary"]["in-distribution"]["start"]
     assert (tmp_path / "seed1/policy").exists()  # and the new seed was trained
 
 

@@ -32,11 +32,13 @@ INSTALL, COMMAND, REUSE = commands(readme_blocks(HEADING)[0])
 # step per arm and a small evaluation. On the 2-core machine of docs/smollm.md's run 5 the
 # line took 525 s, 261 of them the warm start, whose sampled calls parsed 12 of 16 times
 # (22 of 33 on 4 tasks x 3 trees); 30 steps of 8 at 2e-4 took 804 s and parsed 11 of 23.
-SHORT = {"warm_start.sft.steps": 16, "warm_start.sft.sequences_per_step": 4, "warm_start.sft.lr": 5e-4,
+SHORT = {"warm_start.sft.steps": 16, "warm_start.sft.sequences_per_step": 4,
+         "warm_start.sft.lr": 5e-4,
          "warm_start.sft.warmup_steps": 2, "warm_start.tasks.params.size": 96,
          "warm_start.direct_tasks.params.size": 32, "warm_start.teacher_params.delegate": 1.0,
          "trainer.steps": 1, "trainer.prompts_per_step": 2, "trainer.trees_per_prompt": 2,
-         "eval.tasks_per_split": 3, "eval.budgets": "[192]", "eval.reward_samples": 2, "eval.sc_samples": 2,
+         "eval.tasks_per_split": 3, "eval.budgets": "[192]", "eval.reward_samples": 2,
+         "eval.sc_samples": 2,
          "log.progress": "false"}
 
 
@@ -61,7 +63,8 @@ def test_the_tool_path_on_a_tiny_model():
     tasks = load_tasks("gym", dataset="chain_sum", size=3, seed=4, min_terms=4, max_terms=4,
                        min_digits=1, max_digits=1)
     demonstrations = teacher_trees(tasks, ChainSumTeacher(delegate=1.0), policy.protocol, budget)
-    train_sft(policy, demonstrations, SFTConfig(steps=150, sequences_per_step=9, lr=1e-2, warmup_steps=5))
+    train_sft(policy, demonstrations,
+              SFTConfig(steps=150, sequences_per_step=9, lr=1e-2, warmup_steps=5))
     trees = policy.engine(budget, SamplingParams(temperature=0)).rollout(tasks)
     stats = delegation_stats(trees, policy.protocol, ChainSumTeacher())
     assert stats.calls == len(tasks) and stats.parsed.value == 1.0 and stats.delegated.value == 1.0
@@ -77,7 +80,8 @@ def test_the_readme_block_installs_the_extra_then_runs_the_experiment():
 
 def run_line(line: str, output, overrides: dict | None = None) -> None:
     settings = {**SHORT, **(overrides or {}), "trainer.output_dir": output}
-    result = shell(" ".join([line, *(f"{key}={value}" for key, value in settings.items())]), cwd=REPO, timeout=900)
+    result = shell(" ".join([line, *(f"{key}={value}" for key, value in settings.items())]),
+                   cwd=REPO, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -99,12 +103,14 @@ def test_smollm_delegates_through_tool_calls_after_a_short_warm_start(short_run)
     # it, docs/smollm.md), and roots delegate.
     checked = json.loads((short_run / "warm_start.json").read_text())
     calls = sum(split["calls"] for split in checked.values())
-    parsed = sum(split["parsed"]["value"] * split["calls"] for split in checked.values() if split["calls"])
+    parsed = sum(split["parsed"]["value"] * split["calls"] for split in checked.values()
+                 if split["calls"])
     assert calls >= 8 and parsed / calls >= 1 / 3, checked
     assert checked["out-of-distribution"]["delegated"]["value"] > 0, checked
 
     # In the evaluation: clones ran, and each answer came back in the root's tool message.
-    trees = [tree for path in sorted((short_run / "eval").rglob("*.jsonl")) for tree in read_trees(path)]
+    trees = [tree for path in sorted((short_run / "eval").rglob("*.jsonl"))
+             for tree in read_trees(path)]
     delegated = [tree for tree in trees if tree.root.children]
     assert delegated, "no evaluated tree spawned a clone"
     for tree in delegated:
@@ -118,5 +124,6 @@ def test_the_readme_reuse_line_starts_from_that_warm_start(short_run, tmp_path):
     # What is under test is where the warm start comes from: the smallest evaluation will do.
     run_line(REUSE.replace("runs/smollm_chain_sum/sft", str(short_run / "sft")), tmp_path,
              {"eval.tasks_per_split": 1, "eval.reward_samples": 1})
-    assert (tmp_path / "sft/model.safetensors").read_bytes() == (short_run / "sft/model.safetensors").read_bytes()
+    assert (tmp_path / "sft/model.safetensors").read_bytes() == (
+        short_run / "sft/model.safetensors").read_bytes()
     assert (tmp_path / "report.md").exists()

@@ -108,7 +108,8 @@ def test_own_clone_rewards_score_chain_sum_clones_on_their_objectives():
 
     (task,) = load_tasks("gym", dataset="chain_sum", size=1, seed=0, min_terms=4, max_terms=4)
     tree = tree_with_clones(("3", 2), ("Answer: 8", 3), ("Answer: 5", 3))
-    for clone, objective in zip(tree.clones(), ["Compute 1 + 2", "Compute 3 + 4 + 1", "add the rest"]):
+    for clone, objective in zip(tree.clones(),
+                                ["Compute 1 + 2", "Compute 3 + 4 + 1", "add the rest"]):
         clone.objective = objective
     rewards = arithmetic_reward(cost=None, clone_reward="own")(tree, task).node_rewards
     assert [rewards[c.id] for c in tree.clones()] == [1.0, 1.0, rewards["0"]]

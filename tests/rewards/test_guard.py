@@ -23,9 +23,12 @@ def boom(tree, task):
 
 @pytest.mark.parametrize("reward, why", [
     (boom, "ValueError: boom"),
-    (lambda tree, task: RewardResult(math.nan, True), "returned the score nan, not a finite number"),
-    (lambda tree, task: RewardResult(math.inf, True), "returned the score inf, not a finite number"),
-    (lambda tree, task: RewardResult("high", True), "returned the score 'high', not a finite number"),
+    (lambda tree, task: RewardResult(math.nan, True),
+     "returned the score nan, not a finite number"),
+    (lambda tree, task: RewardResult(math.inf, True),
+     "returned the score inf, not a finite number"),
+    (lambda tree, task: RewardResult("high", True),
+     "returned the score 'high', not a finite number"),
     (lambda tree, task: 0.5, "returned 0.5, not a RewardResult"),
     (lambda tree, task: RewardResult(1.0, True, node_rewards={"0.0": math.nan}),
      "returned node rewards that are not finite numbers: {'0.0': nan}"),
@@ -52,7 +55,8 @@ def reward_file(tmp_path) -> str:
         def reward(tree, task):
             text = tree.root.final_text
             if "hang" in text:
-                time.sleep(60)  # past every bound below: a hang not cut off fails the test, not stalls it
+                # Past every bound below: a hang not cut off fails the test, not stalls it.
+                time.sleep(60)
             if "raise" in text:
                 raise KeyError("no such field")
             if "odd" in text:
@@ -69,14 +73,16 @@ def test_a_reward_process_cuts_a_hang_off_and_answers_the_next_call(tmp_path):
         right = process(single_turn("Answer: 7"), TASK)  # the worker is up before timing
         assert (right.score, right.correct, right.info) == (1.0, True, {"length": 9})
         start = time.monotonic()
-        with pytest.raises(RewardTimeout, match=r"the reward took over 1 s \(task.reward_timeout_s\) and was cut off"):
+        with pytest.raises(RewardTimeout, match=r"the reward took over 1 s "
+                                                r"\(task.reward_timeout_s\) and was cut off"):
             process(single_turn("Answer: hang"), TASK)
         assert time.monotonic() - start < 10  # the hang would take a minute
         with pytest.raises(RewardFailed, match="^KeyError: 'no such field'$"):
             process(single_turn("Answer: raise"), TASK)
         with pytest.raises(TypeError, match="returned 'odd', not a RewardResult"):
             process(single_turn("Answer: odd"), TASK)
-        assert process(single_turn("Answer: 8"), TASK).score == 0.0  # the same worker: no restart after a raise
+        # the same worker: no restart after a raise
+        assert process(single_turn("Answer: 8"), TASK).score == 0.0
         assert process._worker.restarts == 1
     finally:
         process.close()

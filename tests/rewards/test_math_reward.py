@@ -78,7 +78,8 @@ def test_correctness(verifier, text, answer, correct):
 
 def test_empty_output_is_wrong_without_a_worker_call(verifier):
     result = score(verifier, "", "12")
-    assert (result.score, result.correct, result.info) == (0.0, False, {"math/empty": 1.0, "answer_missing": 1.0})
+    assert (result.score, result.correct,
+            result.info) == (0.0, False, {"math/empty": 1.0, "answer_missing": 1.0})
 
 
 @pytest.mark.parametrize(

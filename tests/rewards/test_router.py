@@ -19,7 +19,8 @@ def tree_answering(text: str) -> CloneTree:
 
 def test_routes_by_source_and_fails_loudly_without_a_route():
     reward = routed_reward(routes={
-        "arithmetic": {"reward": "selfcest.rewards.arithmetic:arithmetic_reward", "params": {"cost": None}},
+        "arithmetic": {"reward": "selfcest.rewards.arithmetic:arithmetic_reward",
+                       "params": {"cost": None}},
         "2wiki": {"reward": "selfcest.rewards.qa:qa_reward", "params": {"cost": None}},
     })
     assert reward(tree_answering("1,234"), Task("a", "q", "1234", source="arithmetic")).correct

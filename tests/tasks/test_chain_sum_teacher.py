@@ -10,8 +10,8 @@ from selfcest.protocol import ProtocolError, ToolCallProtocol
 from selfcest.tasks import load_tasks
 from selfcest.tasks.chain_sum_teacher import (
     ChainSumTeacher,
-    pieces,
     parse_chain,
+    pieces,
     write_chain,
 )
 from selfcest.train.traces import teacher_trees
@@ -34,7 +34,8 @@ def chain_sums(n: int, seed: int = 0, **config) -> list:
 
 
 def test_chains_parse_write_and_halve():
-    assert parse_chain("State the final answer to the following arithmetic problem: 15 - 43 + 8 =") \
+    assert parse_chain(
+        "State the final answer to the following arithmetic problem: 15 - 43 + 8 =") \
         == [15, -43, 8]
     assert parse_chain("Compute -75 + 8") == [-75, 8]
     assert parse_chain("Compute 5 + -3 - -2") == [5, -3, 2]
@@ -109,12 +110,14 @@ def test_negated_terms_are_demonstrated_right(tool_policy):
 def test_unreadable_prompts_raise_clear_errors():
     teacher = ChainSumTeacher()
     with pytest.raises(ValueError, match="no chain sum"):
-        teacher("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+        teacher("<|im_start|>user\nWhat is the capital of "
+                "France?<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="no ChatML user message"):
         teacher("15 - 43 =")
-    failed_clone = ("<|im_start|>user\nCompute 1 + 2 + 3<|im_end|>\n<|im_start|>assistant\n<tool_call>"
-                    "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n1: 3\n"
-                    "2: error: clone failed\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    failed_clone = ("<|im_start|>user\nCompute 1 + 2 + 3<|im_end|>\n"
+                    "<|im_start|>assistant\n<tool_call></tool_call><|im_end|>\n"
+                    "<|im_start|>user\n<tool_response>\n1: 3\n2: error: clone failed\n"
+                    "</tool_response><|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="not an integer"):
         teacher(failed_clone)
     with pytest.raises(ValueError, match="delegate must be a probability"):
@@ -160,10 +163,13 @@ def test_repair_demonstrations_write_a_malformed_call_then_the_right_one(tool_po
     reasons = set()
     for tree in trees:
         root = tree.root
-        assert [s.kind for s in root.segments] == ["sampled", "notice", "sampled", "return", "sampled"]
-        first, repaired = protocol.parse_text(root.segments[0].text), protocol.parse_text(root.segments[2].text)
+        assert [s.kind for s in root.segments] == ["sampled", "notice", "sampled", "return",
+                                                   "sampled"]
+        first, repaired = protocol.parse_text(
+            root.segments[0].text), protocol.parse_text(root.segments[2].text)
         # The notice names the error (cut to return_tokens like any returned text).
-        assert isinstance(first, ProtocolError) and "error: " + first.reason[:10] in root.segments[1].text
+        assert isinstance(first,
+                          ProtocolError) and "error: " + first.reason[:10] in root.segments[1].text
         reasons.add(first.reason.split(" ")[0])
         assert [r.objective for r in repaired] == [tree.nodes[c].objective for c in root.children]
         assert [len(s.child_ids) for s in root.spawns] == [0, 2]

@@ -22,8 +22,10 @@ BAD = {
     "missing field": (GOOD + b'{"id": "b", "prompt": "p"}\n', 2, "missing fields ['answer']"),
     "invalid UTF-8": (GOOD + GOOD + b'{"id": "c", "prompt": "caf\xe9", "answer": "1"}\n', 3,
                       "not valid UTF-8 (byte 0xe9 at column 27)"),
-    "10 MB line": (GOOD + json.dumps({"id": "d", "prompt": "x" * 10_000_000, "answer": "1"}).encode() + b"\n" + GOOD,
-                   2, "a line of 10000041 bytes, over the 4194304 a row may take (task.params.max_line_bytes)"),
+    "10 MB line": (GOOD + json.dumps({"id": "d", "prompt": "x" * 10_000_000,
+                                      "answer": "1"}).encode() + b"\n" + GOOD,
+                   2, "a line of 10000041 bytes, over the 4194304 a row may take "
+                      "(task.params.max_line_bytes)"),
     "context of numbers": (b'{"id": "e", "prompt": "p", "answer": "1", "context": {"L1": 3}}\n', 1,
                            "the context must be an object of texts"),
 }
@@ -50,8 +52,10 @@ def test_a_long_line_is_refused_without_being_held_and_the_limit_can_be_raised(t
 
 def test_a_json_array_with_invalid_utf8_names_its_line(tmp_path):
     path = tmp_path / "tasks.json"
-    path.write_bytes(b'[\n{"id": "a", "prompt": "p", "answer": "1"},\n{"id": "b", "prompt": "\xff"}\n]')
-    with pytest.raises(MalformedRowError, match=r"tasks.json line 3: not valid UTF-8 \(byte 0xff\)"):
+    path.write_bytes(b'[\n{"id": "a", "prompt": "p", "answer": "1"},\n{"id": "b", "prompt": '
+                     b'"\xff"}\n]')
+    with pytest.raises(MalformedRowError,
+                       match=r"tasks.json line 3: not valid UTF-8 \(byte 0xff\)"):
         list(read_records(path))
 
 
@@ -71,7 +75,9 @@ def test_a_run_on_a_bad_task_file_stops_before_any_compute(tmp_path, case):
 def test_the_command_line_names_the_file_and_line_and_exits_2(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(BAD["invalid UTF-8"][0])
-    bad = faulty_run(tmp_path / "run", "task=jsonl", f"task.params.path={path}", f"task.eval_params.path={path}")
+    bad = faulty_run(tmp_path / "run", "task=jsonl", f"task.params.path={path}",
+                     f"task.eval_params.path={path}")
     assert bad.returncode == 2, bad.stderr[-2000:]
     assert bad.stderr.strip().splitlines()[-1] == (
-        f"selfcest: configuration error: task.params (jsonl): {path} line 3: not valid UTF-8 (byte 0xe9 at column 27)")
+        f"selfcest: configuration error: task.params (jsonl): {path} line 3: not valid UTF-8 (byte "
+        "0xe9 at column 27)")

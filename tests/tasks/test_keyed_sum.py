@@ -109,7 +109,8 @@ def test_modulus_reduces_the_answer_and_every_key_sum():
         assert task.answer == str(sum(map(sum, lists)) % 10)
         assert task.metadata["sums"] == {f"L{i + 1}": sum(xs) % 10 for i, xs in enumerate(lists)}
         assert task.prompt == "Add all numbers in L1 L2 L3 mod 10."
-    inline = keyed_sum_tasks(1, seed=1, config=KeyedSumConfig(num_keys=1, modulus=10, inline=True))[0]
+    inline = keyed_sum_tasks(1, seed=1,
+                             config=KeyedSumConfig(num_keys=1, modulus=10, inline=True))[0]
     assert inline.prompt.startswith("Add all numbers mod 10.\n[L1] ")
     with pytest.raises(ValueError, match="modulus"):
         KeyedSumConfig(modulus=-1)
@@ -121,7 +122,8 @@ def test_inline_view_prints_the_same_lists_with_the_same_answer():
     task = keyed_sum_tasks(1, seed=3, config=KeyedSumConfig(num_keys=2, modulus=10))[0]
     view = inline_view(task)
     assert view.answer == task.answer and view.context == task.context and view.id == task.id
-    assert view.prompt == f"Add all numbers mod 10.\n[L1] {task.context['L1']}\n[L2] {task.context['L2']}"
+    assert view.prompt == (f"Add all numbers mod 10.\n[L1] {task.context['L1']}\n[L2] "
+                           f"{task.context['L2']}")
     assert inline_view(view) == view
 
 

@@ -24,7 +24,8 @@ def test_running_sums_and_splits():
     assert running_sum([3, 5, 2]) == ("+3=3 +5=8 +2=10", 10)
     assert split_keys(["L1", "L2", "L3", "L4", "L5"], 2) == [["L1", "L2", "L3"], ["L4", "L5"]]
     assert split_keys(["L1"], 2) == [["L1"]]
-    assert add_answers(["07", "11"], width=2, answer_width=0) == "+07=07 +11=18\nAnswer: 18<|im_end|>"
+    assert add_answers(["07", "11"], width=2,
+                       answer_width=0) == "+07=07 +11=18\nAnswer: 18<|im_end|>"
 
 
 def test_delegating_demonstrations_halve_the_keys_and_are_right_at_every_node(tiny_policy):
@@ -61,7 +62,8 @@ def test_the_uninformed_teacher_delegates_by_chance_unless_the_lists_cannot_fit(
     teacher = KeyedSumTeacher(branching=(2, 3, 4), redelegate=0.5, delegate_inline=0.5,
                               max_direct_keys=3)
     for keys in (3, 6):
-        tasks = [inline_view(t) for t in keyed_sum_tasks(200, seed=keys, config=KeyedSumConfig(num_keys=keys, **SHAPE))]
+        tasks = [inline_view(t) for t in keyed_sum_tasks(
+            200, seed=keys, config=KeyedSumConfig(num_keys=keys, **SHAPE))]
         trees = teacher_trees(tasks, teacher, tiny_policy.protocol, BIG)
         assert all(tree.answer == task.answer for tree, task in zip(trees, tasks))
         delegated = [len(tree.root.children) for tree in trees if tree.root.children]
@@ -87,10 +89,12 @@ def test_the_teacher_refuses_what_it_cannot_demonstrate():
 
 def test_the_copy_style_copies_each_list_then_keeps_one_running_total():
     lists = [("B", [0, 1, 3]), ("C", [3, 2, 1])]
-    assert solve_lists(lists, style="copy") == "B 0 1 3 +0=0 +1=1 +3=4\nC 3 2 1 +3=7 +2=9 +1=10\nAnswer: 10<|im_end|>"
+    assert solve_lists(lists, style="copy") == ("B 0 1 3 +0=0 +1=1 +3=4\nC 3 2 1 +3=7 +2=9 "
+                                                "+1=10\nAnswer: 10<|im_end|>")
     assert solve_lists(lists, style="copy", modulus=10) == (
         "B 0 1 3 +0=0 +1=1 +3=4\nC 3 2 1 +3=7 +2=9 +1=0\nAnswer: 0<|im_end|>")
-    assert add_answers(["6", "7", "2"], style="copy", modulus=10) == "6 7 2 +6=6 +7=3 +2=5\nAnswer: 5<|im_end|>"
+    assert add_answers(["6", "7", "2"], style="copy",
+                       modulus=10) == "6 7 2 +6=6 +7=3 +2=5\nAnswer: 5<|im_end|>"
     with pytest.raises(ValueError, match="copy style"):
         solve_lists(lists, modulus=10)
 
@@ -99,8 +103,10 @@ def test_the_copy_style_copies_each_list_then_keeps_one_running_total():
 def test_modular_letter_key_demonstrations_are_right_at_every_node(tiny_policy, inline):
     shape = KeyedSumConfig(num_keys=5, modulus=10, letter_keys=True, inline=inline, **SHAPE)
     tasks = keyed_sum_tasks(20, seed=3, config=shape)
-    assert tasks[0].prompt.startswith("Add all numbers" + ("" if inline else " in B C D E F") + " mod 10.")
-    teacher = KeyedSumTeacher(branching=(2, 3), delegate_inline=0.5, redelegate=0.5, direct_style="copy",
+    assert tasks[0].prompt.startswith("Add all numbers" + ("" if inline else " in B C D E F")
+                                      + " mod 10.")
+    teacher = KeyedSumTeacher(branching=(2, 3), delegate_inline=0.5, redelegate=0.5,
+                              direct_style="copy",
                               modulus=10, answer_width=1)
     trees = teacher_trees(tasks, teacher, tiny_policy.protocol, BIG)
     assert len(trees) == 20  # every demonstration right, none dropped

@@ -82,7 +82,8 @@ def test_make_arithmetic_is_seeded_and_takes_every_knob(tmp_path):
 
 def test_prepare_aime_reads_the_collections_columns(tmp_path):
     write_aime(tmp_path / "aime.csv", n=10, answer="080")
-    assert script("prepare_aime")(["--csv", str(tmp_path / "aime.csv"), "--out", str(tmp_path)]) == 0
+    assert script("prepare_aime")(["--csv", str(tmp_path / "aime.csv"), "--out",
+                                   str(tmp_path)]) == 0
     tasks = load_jsonl(tmp_path / "train.jsonl") + load_jsonl(tmp_path / "test.jsonl")
     assert len(tasks) == 10 and {t.answer for t in tasks} == {"80"}
     assert {t.metadata["part"] for t in tasks} == {"", "II"}
@@ -91,29 +92,34 @@ def test_prepare_aime_reads_the_collections_columns(tmp_path):
 
 def test_prepare_math_hard_answers_with_the_last_box_of_every_category(tmp_path):
     write_math_hard(tmp_path / "src", n=3, answer=r"\frac{7}{2}")
-    assert script("prepare_math_hard")(["--root", str(tmp_path / "src"), "--out", str(tmp_path)]) == 0
+    assert script("prepare_math_hard")(["--root", str(tmp_path / "src"), "--out",
+                                        str(tmp_path)]) == 0
     for split in ("train", "test"):
         tasks = load_jsonl(tmp_path / f"{split}.jsonl")
-        assert {t.metadata["category"] for t in tasks} == {"algebra", "geometry"}  # JSONL, JSON array
+        # JSONL, JSON array
+        assert {t.metadata["category"] for t in tasks} == {"algebra", "geometry"}
         assert {t.answer for t in tasks} == {r"\frac{7}{2}"}  # not the earlier \boxed{3}
         assert all("boxed" not in t.prompt and t.source == "math_hard" for t in tasks)
 
 
 def test_prepare_2wiki_decodes_the_parquet_releases_json_strings(tmp_path):
     write_2wiki(tmp_path / "train.parquet", n=3)
-    assert script("prepare_2wiki")(["--train", str(tmp_path / "train.parquet"), "--out", str(tmp_path)]) == 0
+    assert script("prepare_2wiki")(["--train", str(tmp_path / "train.parquet"), "--out",
+                                    str(tmp_path)]) == 0
     task = load_jsonl(tmp_path / "train.jsonl")[0]
     record = twowiki_record(0)
     assert task.context == {"Film 0": "Film 0 is directed by Person 0. It is a drama.",
                             "Person 0": "Person 0 made 7 films."}
     assert "Film 0 is directed" not in task.prompt and "- Person 0" in task.prompt  # keys only
     assert task.metadata["supporting_facts"] == record["supporting_facts"]
-    assert task.metadata["evidences"] == record["evidences"] and task.metadata["type"] == "compositional"
+    assert task.metadata[
+        "evidences"] == record["evidences"] and task.metadata["type"] == "compositional"
 
 
 def test_prepare_musique_keeps_aliases_support_and_decomposition(tmp_path):
     write_musique(tmp_path / "dev.jsonl", n=2)
-    assert script("prepare_musique")(["--dev", str(tmp_path / "dev.jsonl"), "--out", str(tmp_path)]) == 0
+    assert script("prepare_musique")(["--dev", str(tmp_path / "dev.jsonl"), "--out",
+                                      str(tmp_path)]) == 0
     task = load_jsonl(tmp_path / "dev.jsonl")[0]
     assert task.answer == "7" and task.metadata["aliases"] == ["seven"]
     assert task.metadata["supporting_titles"] == ["Town 0", "County 0"]

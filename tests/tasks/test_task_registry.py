@@ -29,7 +29,8 @@ def test_arithmetic_and_gym_by_name():
 
 
 def test_gym_splits_are_distinct_seed_ranges():
-    train, test = (load_tasks("gym", dataset="chain_sum", size=20, split=split) for split in ("train", "test"))
+    train, test = (load_tasks("gym", dataset="chain_sum", size=20, split=split)
+                   for split in ("train", "test"))
     assert train == load_tasks("gym", dataset="chain_sum", size=20, seed=0)
     assert {t.prompt for t in train}.isdisjoint({t.prompt for t in test})
     with pytest.raises(ValueError, match="gym split"):
@@ -86,7 +87,8 @@ def test_mix_sources_may_be_named_and_errors_name_them():
     assert [t.id.split("/")[0] for t in tasks] == ["small"] * 2 + ["twice"] * 4
     with pytest.raises(ValueError, match="sources.twice.params.n_train must be int; got '2'"):
         load_tasks("mix", sources={"twice": {**one, "params": {"n_train": "2"}}})
-    with pytest.raises(ValueError, match="sources.twice.params.split: task source 'jsonl' takes no 'split'"):
+    with pytest.raises(ValueError,
+                       match="sources.twice.params.split: task source 'jsonl' takes no 'split'"):
         load_tasks("mix", sources={"twice": {"name": "jsonl", "params": {"split": "x"}}})
 
 

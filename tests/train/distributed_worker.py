@@ -1,7 +1,9 @@
 """Run by torchrun in test_distributed.py: CPU processes train two steps, data parallel
 (``ddp``) or sharded (``fsdp``); each writes what the test compares.
 
-    distributed_worker.py OUT REWARD ddp|node|vllm|node_vllm|fsdp|fsdp_vllm|fsdp_lora|fsdp_lora_tokens
+    distributed_worker.py OUT REWARD MODE
+
+MODE: ddp|node|vllm|node_vllm|fsdp|fsdp_vllm|fsdp_lora|fsdp_lora_tokens.
 
 ``node`` is data parallel with one engine for the node, on its first process
 (rollout.engine_per_node); ``vllm`` data parallel with a vLLM engine in every process (vLLM's
@@ -130,7 +132,8 @@ def main() -> None:
     shard = next(trainer.model.parameters())
     trainer.close()
 
-    resumed = build_trainer(config(resume=True), policy=policy())  # from the checkpoint the run just saved
+    # from the checkpoint the run just saved
+    resumed = build_trainer(config(resume=True), policy=policy())
     resumed_step = resumed.state.step
     resumed_equal = all(torch.equal(after[n], p) for n, p in full(resumed.policy.model).items())
     resumed.close()
@@ -152,7 +155,8 @@ def main() -> None:
         "stale_refused": sum(m["samples/stale_refused"] for m in history),
         "sharded": isinstance(shard, DTensor) and shard.to_local().numel() < shard.numel(),
         "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),
-        "trainable": sorted(n for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+        "trainable": sorted(n for n,
+                            p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
                             if p.requires_grad),
         "resumed_step": resumed_step,
         "resumed_equal": resumed_equal,

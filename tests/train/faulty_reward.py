@@ -25,7 +25,8 @@ def reward(tree, task) -> RewardResult:
     if calls == int(os.environ.get("FAULT_AT_CALL", 0)):
         fault = os.environ["FAULT"]
         if fault == "FSIZE":
-            resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ["FSIZE_BYTES"]), resource.RLIM_INFINITY))
+            resource.setrlimit(resource.RLIMIT_FSIZE,
+                               (int(os.environ["FSIZE_BYTES"]), resource.RLIM_INFINITY))
         elif fault == "READONLY":
             os.chmod(os.environ["READONLY_DIR"], 0o555)
         else:

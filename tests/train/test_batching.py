@@ -154,17 +154,20 @@ def test_a_shared_prompt_keeps_its_group_in_one_micro_batch():
     assert make_micro_batches(lengths, 1000, pass_overhead_tokens=4) == [[0, 1, 2], [3]]
     # Prompts run once (9 shared columns): [all] 120 - 2 x 9 + 4 = 106 against
     # (90 - 1 x 9) + 22 + 8 = 111: the short row stays with its group.
-    assert make_micro_batches(lengths, 1000, pass_overhead_tokens=4, prompts=prompts) == [[0, 1, 2, 3]]
+    assert make_micro_batches(lengths, 1000, pass_overhead_tokens=4,
+                              prompts=prompts) == [[0, 1, 2, 3]]
     # Prompts that all differ share nothing: the cut is the one without prompts.
     distinct = [(k,) * 10 for k in range(4)]
-    assert make_micro_batches(lengths, 1000, pass_overhead_tokens=4, prompts=distinct) == [[0, 1, 2], [3]]
+    assert make_micro_batches(lengths, 1000, pass_overhead_tokens=4,
+                              prompts=distinct) == [[0, 1, 2], [3]]
 
 
 def computed_tokens(run: list[int], lengths: list[int], prompts: list[tuple[int, ...]]) -> int:
     """What the update computes for one micro-batch whose prompts run once each: the rows
     padded to the longest, less the shared columns of every row that repeats a prompt."""
     shared = max(min(len(prompts[i]) for i in run) - 1, 0)
-    return len(run) * max(lengths[i] for i in run) - (len(run) - len(set(prompts[i] for i in run))) * shared
+    return (len(run) * max(lengths[i] for i in run) - (len(run) - len(set(prompts[i] for i in run)))
+            * shared)
 
 
 def test_the_prompt_aware_cut_is_the_cheapest_cut_of_the_length_order():
@@ -194,9 +197,11 @@ def test_the_prompt_aware_cut_is_the_cheapest_cut_of_the_length_order():
                 continue
             cost = (sum(computed_tokens(r, lengths, prompts) + overhead for r in runs), len(runs))
             best = cost if best is None else min(best, cost)
-        batches = make_micro_batches(lengths, budget, pass_overhead_tokens=overhead, prompts=prompts)
+        batches = make_micro_batches(lengths, budget, pass_overhead_tokens=overhead,
+                                     prompts=prompts)
         cut = [b for b in batches if lengths[b[0]] <= budget]
-        assert (sum(computed_tokens(r, lengths, prompts) + overhead for r in cut), len(cut)) == (best or (0, 0))
+        assert (sum(computed_tokens(r, lengths, prompts) + overhead for r in cut),
+                len(cut)) == (best or (0, 0))
 
 
 def realistic_lengths(seed: int = 0) -> list[int]:
@@ -292,7 +297,8 @@ def test_packed_collate_puts_samples_side_by_side_with_their_own_positions():
     assert batch.spans == [(0, 0, 8), (0, 8, 6), (1, 0, 8), (1, 8, 6)]
     # A row's padding counts from 0, as a sample of its own that no real token sees.
     short = collate(samples[1:], [0.25] * 3, pad_token_id=-1, pack_width=16)
-    assert short.position_ids.tolist() == [list(range(6)) + list(range(8)), list(range(6)) + list(range(8))]
+    assert short.position_ids.tolist() == [list(range(6)) + list(range(8)), list(range(6))
+                                           + list(range(8))]
     assert short.input_ids[1, 6:].tolist() == [-1] * 8
     for sample, values in zip(samples, batch.per_sample(batch.old_logprobs)):
         assert values.tolist() == pytest.approx(sample.old_logprobs)
@@ -311,7 +317,8 @@ def test_packed_micro_batches_fit_the_budget_and_pad_little(budget):
     for batch in batches:
         rows = pack_rows([lengths[i] for i in batch], width)
         assert len(rows) * width <= budget
-    packed, unpacked = padding_fraction(lengths, batches, width), padding_fraction(lengths, make_micro_batches(lengths, budget))
+    packed = padding_fraction(lengths, batches, width)
+    unpacked = padding_fraction(lengths, make_micro_batches(lengths, budget))
     assert packed < 0.03 and packed < unpacked
 
 
@@ -345,7 +352,8 @@ def test_step_loss_is_the_same_for_any_token_budget(mode):
     lengths = [s.length for s in samples]
     for budget, packed in ((8, False), (16, False), (64, False), (16, True), (64, True)):
         width = packing_width(lengths, budget) if packed else None
-        split = packed_micro_batches(lengths, budget) if packed else make_micro_batches(lengths, budget)
+        split = (packed_micro_batches(lengths, budget) if packed
+                 else make_micro_batches(lengths, budget))
         total = 0.0
         for micro_batch in split:
             batch = collate([samples[i] for i in micro_batch], [weights[i] for i in micro_batch],

@@ -11,7 +11,12 @@ from helpers import bound_by_file_permissions, faulty_run
 from test_trainer import small_config
 
 from selfcest.configure import ConfigError, RunError
-from selfcest.train.checkpoint import CheckpointError, checkpoint_problem, list_checkpoints, resolve_resume
+from selfcest.train.checkpoint import (
+    CheckpointError,
+    checkpoint_problem,
+    list_checkpoints,
+    resolve_resume,
+)
 from selfcest.train.config import validate
 from selfcest.train.setup import build_trainer
 
@@ -36,9 +41,11 @@ def damage(path, how: str) -> None:
         path.unlink()
 
 
-@pytest.mark.parametrize("name, how", [("model.safetensors", "truncated"), ("optimizer.pt", "garbled"),
-                                       ("state.json", "missing")])
-def test_a_damaged_latest_checkpoint_is_set_aside_and_the_one_before_resumed(tmp_path, caplog, name, how):
+@pytest.mark.parametrize("name, how",
+                         [("model.safetensors", "truncated"), ("optimizer.pt", "garbled"),
+                          ("state.json", "missing")])
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_one_before_resumed(
+    tmp_path, caplog, name, how):
     config = two_checkpoints(tmp_path)
     latest = tmp_path / "run/checkpoints/step_000002"
     damage(latest / name, how)
@@ -50,7 +57,8 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_one_before_resumed(tmp
     assert (latest.parent / "step_000002.damaged" / "manifest.json").exists()  # kept for inspection
     assert len(resumed.train()) == 1  # step 2 again
     resumed.close()
-    assert checkpoint_problem(latest) is None and [c.name for c in list_checkpoints(tmp_path / "run")] == [
+    assert checkpoint_problem(latest) is None and [c.name
+                                                   for c in list_checkpoints(tmp_path / "run")] == [
         "step_000001", "step_000002"]
 
 
@@ -61,12 +69,14 @@ def test_a_run_whose_every_checkpoint_is_damaged_refuses_to_resume(tmp_path):
     for folder in list_checkpoints(tmp_path / "run"):
         damage(folder / "model.safetensors", "garbled")
     config.trainer.resume = "true"
-    with pytest.raises(CheckpointError, match=r"every checkpoint under .* is damaged \(step_000002: model.safetensors "
-                                              r"does not match its SHA-256.*step_000001: .*nothing sound to resume"):
+    damaged = (r"every checkpoint under .* is damaged \(step_000002: model.safetensors does not "
+               r"match its SHA-256.*step_000001: .*nothing sound to resume")
+    with pytest.raises(CheckpointError, match=damaged):
         build_trainer(config)
     assert (tmp_path / "run/metrics.jsonl").read_text() == metrics
     config.trainer.resume = str(tmp_path / "run/checkpoints/step_000002.damaged")
-    with pytest.raises(CheckpointError, match="the checkpoint is damaged: model.safetensors does not match"):
+    with pytest.raises(CheckpointError,
+                       match="the checkpoint is damaged: model.safetensors does not match"):
         build_trainer(config)
 
 
@@ -87,9 +97,9 @@ def test_a_resume_under_a_changed_config_is_refused_naming_each_key(tmp_path):
     with pytest.raises(ConfigError) as refused:
         build_trainer(config)
     assert str(refused.value) == (
-        "trainer.resume: this config differs from the one step_000002 was trained under in rollout.temperature "
-        "(1.0 -> 0.5), trainer.steps (2 -> 3); resume with that config, or allow the changes: "
-        "trainer.resume_changes=[rollout.temperature,trainer.steps]")
+        "trainer.resume: this config differs from the one step_000002 was trained under in "
+        "rollout.temperature (1.0 -> 0.5), trainer.steps (2 -> 3); resume with that config, or "
+        "allow the changes: trainer.resume_changes=[rollout.temperature,trainer.steps]")
     config.trainer.resume_changes = ["trainer.steps"]
     with pytest.raises(ConfigError, match=r"in rollout.temperature \(1.0 -> 0.5\);"):
         build_trainer(config)
@@ -102,7 +112,8 @@ def test_a_resume_under_a_changed_config_is_refused_naming_each_key(tmp_path):
 def test_resume_changes_must_name_keys_of_the_config(tmp_path):
     config = small_config(tmp_path)
     config.trainer.resume_changes = ["trainer.stpes"]
-    with pytest.raises(ConfigError, match="trainer.resume_changes names 'trainer.stpes', which is neither a key"):
+    with pytest.raises(ConfigError, match="trainer.resume_changes names 'trainer.stpes', which is "
+                                          "neither a key"):
         validate(config)
     config.trainer.resume_changes = ["rollout.budget", "trainer.steps"]
     validate(config)
@@ -116,7 +127,8 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_one_bef
     full = faulty_run(out, fault="FSIZE", at_step=3, env={"FSIZE_BYTES": str(128 * 1024)})
     assert full.returncode == 1, full.stderr[-2000:]
     message = full.stderr.strip().splitlines()[-1]
-    assert message.startswith(f"selfcest: stopped: could not write checkpoint {out}/checkpoints/step_000004: ")
+    assert message.startswith("selfcest: stopped: could not write checkpoint "
+                              f"{out}/checkpoints/step_000004: ")
     assert "File too large" in message
     assert message.endswith(f"; the previous checkpoint {out}/checkpoints/step_000002 is intact")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002"]
@@ -138,8 +150,10 @@ def test_an_unwritable_checkpoint_folder_stops_the_run_and_keeps_the_one_before(
             folder.chmod(0o755)
     assert stopped.returncode == 1, stopped.stderr[-2000:]
     assert stopped.stderr.strip().splitlines()[-1] == (
-        f"selfcest: stopped: could not create {folder}/step_000004.tmp: PermissionError: [Errno 13] Permission "
-        f"denied: '{folder}/step_000004.tmp'; the previous checkpoint {folder}/step_000002 is intact")
+        f"selfcest: stopped: could not create {folder}/step_000004.tmp: PermissionError: [Errno "
+        "13] Permission "
+        f"denied: '{folder}/step_000004.tmp'; the previous checkpoint {folder}/step_000002 is "
+        "intact")
     assert sorted(p.name for p in folder.iterdir()) == ["step_000002"]
     assert checkpoint_problem(folder / "step_000002") is None
 
@@ -151,8 +165,10 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path):
     with torch.no_grad():
         next(run.policy.model.parameters())[0] = float("nan")
     run.state.step = 3
-    with pytest.raises(RunError, match=r"not saving step 3: parameters are not finite \(model.embed_tokens.weight\)"):
+    with pytest.raises(RunError, match=r"not saving step 3: parameters are not finite "
+                                       r"\(model.embed_tokens.weight\)"):
         run.save()
     run.close()
     assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["step_000001", "step_000002"]
-    assert json.loads((tmp_path / "run/checkpoints/step_000002/state.json").read_text())["step"] == 2
+    assert json.loads(
+        (tmp_path / "run/checkpoints/step_000002/state.json").read_text())["step"] == 2

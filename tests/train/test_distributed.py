@@ -109,7 +109,8 @@ def test_a_sharded_checkpoint_resumes_in_one_process(fsdp_folder, tmp_path):
     checkpoint = list_checkpoints(folder / "run")[-1]
     # Another run's checkpoint, under another config: the weights are what this test checks.
     changes = ["algo", "rollout", "task", "trainer"]
-    trainer = build_trainer(small_config(tmp_path, steps=2, resume=str(checkpoint), resume_changes=changes))
+    trainer = build_trainer(small_config(tmp_path, steps=2, resume=str(checkpoint),
+                                         resume_changes=changes))
     assert trainer.state.step == 2
     mine = {n: p.detach() for n, p in trainer.policy.model.named_parameters()}
     assert_same(mine, fsdp[0]["weights"])
@@ -176,9 +177,11 @@ CPU_ENGINE = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USA
 
 
 def launch_vllm(tmp_path: Path, mode: str, port: int) -> list[dict]:
-    """Run in the vLLM environment: .venv-vllm/bin/python -m pytest -m vllm tests/train/test_distributed.py"""
+    """Run in the vLLM environment: .venv-vllm/bin/python -m pytest -m vllm
+    tests/train/test_distributed.py"""
     pytest.importorskip("vllm")
-    return launch(tmp_path / "run", mode, port, env={**CPU_ENGINE, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")})
+    return launch(tmp_path / "run", mode, port,
+                  env={**CPU_ENGINE, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")})
 
 
 @pytest.mark.vllm
@@ -187,7 +190,8 @@ def test_every_process_runs_its_own_vllm_engine(tmp_path):
     """Data parallel, an engine per process through vLLM's external launcher (its worker is
     this process, on this process's device), weights handed over in memory."""
     ranks = launch_vllm(tmp_path, "vllm", 29541)
-    assert [r["backend"] for r in ranks] == ["VLLMBackend"] * 2 and [r["sync"] for r in ranks] == ["tensors"] * 2
+    assert [r["backend"]
+            for r in ranks] == ["VLLMBackend"] * 2 and [r["sync"] for r in ranks] == ["tensors"] * 2
     assert [r["stale_refused"] for r in ranks] == [0, 0]
     assert ranks[0]["changed"] == ranks[0]["trainable"]
     assert_same(ranks[0]["weights"], ranks[1]["weights"])
@@ -205,7 +209,8 @@ def test_one_vllm_engine_serves_the_node(tmp_path):
     loads its weights in memory; the first drives the rollout and the other replays its
     engine's steps, so their collectives match."""
     ranks = launch_vllm(tmp_path, "node_vllm", 29539)
-    assert [r["backend"] for r in ranks] == ["VLLMBackend"] * 2 and [r["follower"] for r in ranks] == [False, True]
+    assert [r["backend"] for r in ranks] == [
+        "VLLMBackend"] * 2 and [r["follower"] for r in ranks] == [False, True]
     assert [r["sync"] for r in ranks] == ["tensors"] * 2
     # Every sync verified by each process's probe (a failed one raises); the follower's
     # trees carried the version it was told, so none was refused as stale.
@@ -222,7 +227,8 @@ def test_fsdp_streams_its_shards_into_vllm(tmp_path):
     and streamed into the engine, and the proximal and reference passes run sharded."""
     ranks = launch_vllm(tmp_path, "fsdp_vllm", 29542)
     assert all(r["sharded"] for r in ranks) and not any(r["rollout_copy"] for r in ranks)
-    assert [r["sync"] for r in ranks] == ["tensors"] * 2 and [r["stale_refused"] for r in ranks] == [0, 0]
+    assert [r["sync"]
+            for r in ranks] == ["tensors"] * 2 and [r["stale_refused"] for r in ranks] == [0, 0]
     assert ranks[0]["changed"] == ranks[0]["trainable"]
     assert_same(ranks[0]["weights"], ranks[1]["weights"])
     assert all(r["logprob_diff_max"] <= 1e-4 for r in ranks)
@@ -241,20 +247,24 @@ def test_the_readmes_multi_node_command_trains_on_two_machines(tmp_path):
     accelerate shards only on accelerators, so here the run is data parallel."""
     pytest.importorskip("vllm")
     write_stand_in(tmp_path / "model", size="small")  # vLLM's CPU attention needs heads of 32
-    cpu = ["rollout.vllm.enable_sleep_mode=false", "rollout.vllm.dtype=float32", "rollout.budget.node_context=512",
-           "rollout.vllm.max_model_len=512", f"trainer.output_dir={tmp_path / 'run'}", "log.progress=false"]
+    cpu = ["rollout.vllm.enable_sleep_mode=false", "rollout.vllm.dtype=float32",
+           "rollout.budget.node_context=512",
+           "rollout.vllm.max_model_len=512", f"trainer.output_dir={tmp_path / 'run'}",
+           "log.progress=false"]
     # The README's line with these changes only; each piece must be there to change.
-    changes = {"--num_processes 16": "--num_processes 2", "--main_process_port 29500": "--main_process_port 29543",
+    changes = {"--num_processes 16": "--num_processes 2",
+               "--main_process_port 29500": "--main_process_port 29543",
                f"model.name={README_MODEL}": f"model.name={tmp_path / 'model'}",
                "accelerate launch ": f"{sys.executable} -m accelerate.commands.launch "}
     line = MULTI_NODE
     for old, new in changes.items():
         assert line.count(old) == 1, f"the README's multi-node line has no {old!r} any more"
         line = line.replace(old, new)
-    runs = [subprocess.Popen(shlex.split(string.Template(line).substitute(NODE_RANK=rank, MASTER_ADDR="127.0.0.1"))
-                             + [*SMALL_RUN, *cpu], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True, env={**os.environ, **CPU_ENGINE, "OMP_NUM_THREADS": "1",
-                                             "VLLM_CACHE_ROOT": str(tmp_path / "cache")})
+    runs = [subprocess.Popen(
+        shlex.split(string.Template(line).substitute(NODE_RANK=rank, MASTER_ADDR="127.0.0.1"))
+        + [*SMALL_RUN, *cpu], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, **CPU_ENGINE, "OMP_NUM_THREADS": "1",
+                        "VLLM_CACHE_ROOT": str(tmp_path / "cache")})
             for rank in (0, 1)]
     for run in runs:
         _, stderr = run.communicate(timeout=600)
@@ -262,8 +272,10 @@ def test_the_readmes_multi_node_command_trains_on_two_machines(tmp_path):
     # One world of two processes: one step, logged once (by rank 0), every sync verified by
     # the probe, and a checkpoint of that world. (The stand-in never writes the arithmetic
     # tasks' large answers, so their groups tie and the step trains on no sample.)
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line)
+               for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 1 and metrics[0]["sync/probe_max_diff"] <= metrics[0]["sync/probe_atol"]
     checkpoint = list_checkpoints(tmp_path / "run")[-1]
     assert json.loads((checkpoint / "state.json").read_text())["world_size"] == 2
-    assert sorted(p.name for p in checkpoint.glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
+    assert sorted(p.name
+                  for p in checkpoint.glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]

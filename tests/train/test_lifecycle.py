@@ -27,7 +27,8 @@ def same(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return (isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(same(x, y) for x, y in zip(a, b)))
     return a == b
 
 
@@ -42,7 +43,8 @@ def trained(out) -> dict:
         "optimizer": torch.load(last / "optimizer.pt", weights_only=True),
         "scheduler": torch.load(last / "scheduler.pt", weights_only=True),
         "state": json.loads((last / "state.json").read_text()),
-        "metrics": [{k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))} for row in rows],
+        "metrics": [{k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
+                    for row in rows],
     }
 
 
@@ -55,7 +57,8 @@ def straight(tmp_path_factory):
     return trained(out)
 
 
-def test_a_run_killed_mid_step_resumes_to_bitwise_the_same_weights_optimizer_and_metrics(straight, tmp_path):
+def test_a_run_killed_mid_step_resumes_to_bitwise_the_same_weights_optimizer_and_metrics(
+    straight, tmp_path):
     """SIGKILL in step 4, after the step-2 checkpoint and step 3's metrics row: the resumed
     run takes the dead run's lock over, drops that row, trains steps 3 and 4 again, and ends
     where the uninterrupted run did (the LR of every step included: a cosine schedule)."""
@@ -67,7 +70,8 @@ def test_a_run_killed_mid_step_resumes_to_bitwise_the_same_weights_optimizer_and
     dead = json.loads((out / LOCK_FILE).read_text())["pid"]  # the killed run's own record
     resumed = faulty_run(out, "trainer.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"taking over the lock of pid {dead} on {socket.gethostname()}, which is no longer running" in resumed.stdout
+    assert (f"taking over the lock of pid {dead} on {socket.gethostname()}, which is no longer "
+            "running") in resumed.stdout
     again = trained(out)
     assert len({row["lr"] for row in again["metrics"]}) == 4
     assert all(row["train/optimizer_steps"] == 1 for row in again["metrics"])
@@ -76,15 +80,18 @@ def test_a_run_killed_mid_step_resumes_to_bitwise_the_same_weights_optimizer_and
 
 
 @pytest.mark.parametrize("name, code", [("SIGTERM", 0), ("SIGINT", 130)])
-def test_a_stop_signal_saves_at_the_end_of_the_step_and_the_run_continues(straight, tmp_path, name, code):
+def test_a_stop_signal_saves_at_the_end_of_the_step_and_the_run_continues(
+    straight, tmp_path, name, code):
     """The signal arrives during step 3's scoring: step 3 finishes, is saved and logged, the
     process says so and exits 0 (SIGTERM) or 130 (SIGINT); resumed (after SIGTERM), the run
     ends where the uninterrupted one did."""
     out = tmp_path / "run"
     stopped = faulty_run(out, fault=name, at_step=3)
     assert stopped.returncode == code, stopped.stderr[-2000:]
-    assert f"{name} received: stopping after this step with a checkpoint" in stopped.stdout  # Hydra's log
-    assert f"selfcest: stopped by {name} after step 3 of 4; checkpoint {out}/checkpoints/step_000003" in stopped.stderr
+    # Hydra's log
+    assert f"{name} received: stopping after this step with a checkpoint" in stopped.stdout
+    assert (f"selfcest: stopped by {name} after step 3 of 4; checkpoint "
+            f"{out}/checkpoints/step_000003") in stopped.stderr
     assert [c.name for c in list_checkpoints(out)] == ["step_000002", "step_000003"]
     assert not (out / LOCK_FILE).exists()  # released on the way out
     if name == "SIGINT":
@@ -112,11 +119,13 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_changes_nothing(tmp_path
         refused = faulty_run(out)
         assert refused.returncode == 1
         assert refused.stderr.strip().splitlines()[-1] == (
-            f"selfcest: stopped: trainer.output_dir={out} is in use by another run (pid {holder.pid} on "
-            f"{socket.gethostname()}); wait for it to finish, or choose another trainer.output_dir")
+            f"selfcest: stopped: trainer.output_dir={out} is in use by another run (pid "
+            f"{holder.pid} on {socket.gethostname()}); wait for it to finish, or choose another "
+            "trainer.output_dir")
         after = files(out)
         assert {name: after[name] for name in before} == before
-        assert all(name.startswith(".hydra/") or name == "configure.log" for name in after.keys() - before.keys())
+        assert all(name.startswith(".hydra/") or name == "configure.log" for name in after.keys()
+                   - before.keys())
     finally:
         holder.kill()
         holder.wait()
@@ -128,7 +137,8 @@ def files(folder) -> dict[str, bytes]:
 
 def test_the_lock_is_exclusive_within_a_process_and_released(tmp_path):
     lock = RunLock.acquire(tmp_path)
-    with pytest.raises(RunError, match=r"in use by this process .*close\(\) the trainer that holds it"):
+    with pytest.raises(RunError,
+                       match=r"in use by this process .*close\(\) the trainer that holds it"):
         RunLock.acquire(tmp_path)
     lock.release()
     assert not (tmp_path / LOCK_FILE).exists()
@@ -136,8 +146,10 @@ def test_the_lock_is_exclusive_within_a_process_and_released(tmp_path):
 
 
 def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path, caplog):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True)
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": int(dead.stdout),
+                                                  "host": socket.gethostname()}))
     with caplog.at_level("WARNING"):
         lock = RunLock.acquire(tmp_path)
     assert f"taking over the lock of pid {int(dead.stdout)}" in caplog.text
@@ -147,8 +159,10 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path, c
 
 def test_a_lock_recorded_by_a_live_process_is_refused_even_where_flock_is_not_shared(tmp_path):
     """On a filesystem whose flock does not reach other clients, the recorded owner decides."""
-    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
-    with pytest.raises(RunError, match=f"pid {os.getppid()} .*or remove {tmp_path / LOCK_FILE} if you know"):
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": os.getppid(),
+                                                  "host": socket.gethostname()}))
+    with pytest.raises(RunError,
+                       match=f"pid {os.getppid()} .*or remove {tmp_path / LOCK_FILE} if you know"):
         RunLock.acquire(tmp_path)
 
 

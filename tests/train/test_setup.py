@@ -40,10 +40,12 @@ def test_a_bfloat16_model_trains_float32_master_weights(tmp_path, fresh_accelera
     assert trainer.accelerator.mixed_precision == "bf16"
     assert {p.dtype for p in trainer.policy.model.parameters()} == {torch.float32}
     # 16-bit numerics are not the rollout's: the old logprobs are recomputed, and the gap logged.
-    assert trainer.recompute and 0 < history[0]["rollout/logprob_diff_mean"] <= history[0]["rollout/logprob_diff_max"]
+    assert trainer.recompute and 0 < history[
+        0]["rollout/logprob_diff_mean"] <= history[0]["rollout/logprob_diff_max"]
 
 
-def test_a_model_folder_loads_float32_master_weights_whatever_its_compute_dtype(tiny_policy, tmp_path):
+def test_a_model_folder_loads_float32_master_weights_whatever_its_compute_dtype(
+    tiny_policy, tmp_path):
     """``model=hf`` (the paper runs) says bfloat16: a folder's weights load in float32 all the
     same, and bfloat16 is what its passes compute in."""
     tiny_policy.save_pretrained(tmp_path / "model")
@@ -108,12 +110,14 @@ def test_selfcest_sft_warm_starts_on_this_processs_gpu(monkeypatch, tmp_path):
 def test_a_vllm_engine_per_node_must_span_the_node(monkeypatch):
     """vLLM's groups span every process, so one engine per node is a tensor-parallel engine
     over its processes; at tensor_parallel_size 1 the node's other processes hung."""
-    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: object())  # vLLM "installed"
+    # vLLM "installed"
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: object())
     config = TrainConfig()
     config.rollout.engine_per_node = True
     validate(config)  # hf: the first process decodes for the node
     config.rollout.backend = "vllm"
-    with pytest.raises(ConfigError, match="^rollout.engine_per_node=true with backend=vllm needs vllm.tensor_parallel_size"):
+    with pytest.raises(ConfigError, match="^rollout.engine_per_node=true with backend=vllm needs "
+                                          "vllm.tensor_parallel_size"):
         validate(config)
     config.rollout.vllm.tensor_parallel_size = 8
     validate(config)

@@ -21,7 +21,8 @@ BUDGET = Budget(node_generation=128, tree_generation=1024, node_context=512, max
 
 
 def demo_trees(policy, n=4, seed=0):
-    tasks = keyed_sum_tasks(n, seed=seed, config=KeyedSumConfig(num_keys=2, list_len=2, max_value=3))
+    tasks = keyed_sum_tasks(n, seed=seed,
+                            config=KeyedSumConfig(num_keys=2, list_len=2, max_value=3))
     return tasks, teacher_trees(tasks, KeyedSumTeacher(redelegate=0.0), policy.protocol, BUDGET)
 
 
@@ -43,7 +44,8 @@ def test_sft_learns_the_demonstrations(tmp_path):
     tasks, trees = demo_trees(policy, n=3, seed=7)
     # Greedy decoding must follow what was learned on any CPU: 120 steps left one digit ahead
     # of the next by a logit gap of 0.09 (float kernels moved it by 0.02); 200 leave >= 4.
-    history = train_sft(policy, trees, SFTConfig(steps=200, sequences_per_step=9, lr=1e-2, warmup_steps=5))
+    history = train_sft(policy, trees,
+                        SFTConfig(steps=200, sequences_per_step=9, lr=1e-2, warmup_steps=5))
     assert history[-1]["sft/loss"] < 0.1 * history[0]["sft/loss"]
     engine = policy.engine(BUDGET, SamplingParams(temperature=0))
     for task, tree in zip(tasks, engine.rollout(tasks)):
@@ -61,7 +63,8 @@ def test_returned_tokens_are_never_targets():
     returned = range(start, start + len(tree.root.segments[1].token_ids))
     assert tree.root.segments[1].kind == "return"
     assert all(root.loss_mask[i] == 0 for i in returned)
-    assert all(root.loss_mask[i] == 1 for i in range(start - len(tree.root.segments[0].token_ids), start))
+    assert all(root.loss_mask[i] == 1
+               for i in range(start - len(tree.root.segments[0].token_ids), start))
 
 
 def test_the_sft_entry_point_leaves_held_out_tasks_out_and_saves_a_loadable_policy(tmp_path):
@@ -96,7 +99,8 @@ def test_direct_tasks_are_demonstrated_as_a_monolithic_root_sees_them():
     config.warm_start.teacher_params = {"delegate": 1.0}
     config.warm_start.tasks = TaskSourceConfig("gym", {**shape, "size": 6, "seed": 10})
     config.warm_start.direct_tasks = TaskSourceConfig("gym", {**shape, "size": 4, "seed": 20})
-    config.rollout.budget = Budget(node_generation=160, node_context=1024, tree_generation=512, max_depth=1,
+    config.rollout.budget = Budget(node_generation=160, node_context=1024, tree_generation=512,
+                                   max_depth=1,
                                    clones_per_spawn=2, clones_per_tree=2, spawn_rounds=1)
     trees = warm_start_trees(config, policy.protocol)
     shown_tool = ["spawn_clone" in policy.protocol.decode(t.root.prompt_ids) for t in trees]

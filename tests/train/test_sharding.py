@@ -31,7 +31,8 @@ def test_data_parallel_and_fsdp2_are_accepted():
 
 @pytest.mark.parametrize(("kind", "plugin", "named"), [
     (DistributedType.DEEPSPEED, {}, "configs/accelerate/fsdp.yaml"),
-    (DistributedType.FSDP, {"fsdp_version": 1, "cpu_ram_efficient_loading": False}, "fsdp_version: 2"),
+    (DistributedType.FSDP, {"fsdp_version": 1, "cpu_ram_efficient_loading": False},
+     "fsdp_version: 2"),
     (DistributedType.FSDP, {"fsdp_version": 2, "cpu_ram_efficient_loading": True},
      "fsdp_cpu_ram_efficient_loading"),
 ])

@@ -21,7 +21,8 @@ def test_a_demonstration_cut_by_its_budget_is_dropped(tiny_policy):
     shallow = Budget(node_generation=512, tree_generation=4096, node_context=1024, max_depth=1)
     teacher = KeyedSumTeacher(redelegate=1.0)  # 4 keys -> 2 -> 1: depth 2
     assert teacher_trees(tasks, teacher, tiny_policy.protocol, shallow) == []
-    assert len(teacher_trees(tasks, teacher, tiny_policy.protocol, shallow, correct_only=False)) == 5
+    assert len(teacher_trees(tasks, teacher, tiny_policy.protocol, shallow,
+                             correct_only=False)) == 5
 
 
 def test_demonstrations_from_a_config_leave_held_out_tasks_out(tiny_policy):

@@ -20,10 +20,10 @@ from helpers import DEMO_CONTEXT, overfit
 from safetensors.torch import load_file
 
 from selfcest.algo.advantages import Advantages, compute_advantages
-from selfcest.algo.credit import counterfactual_reruns
 from selfcest.budget import Budget
 from selfcest.configure import ConfigError, RunError
-from selfcest.policy import ClonePolicy, LoraSettings, build_tokenizer, forward_logprobs
+from selfcest.modeling import forward_logprobs
+from selfcest.policy import ClonePolicy, LoraSettings, build_tokenizer
 from selfcest.protocol import SpawnRequest
 from selfcest.rewards.base import RewardResult, load_reward, progress_summary, score_trees
 from selfcest.rollout.backends.base import SamplingParams
@@ -31,10 +31,16 @@ from selfcest.rollout.backends.scripted import ScriptedBackend
 from selfcest.rollout.engine import RolloutEngine
 from selfcest.task import Task
 from selfcest.train import trainer as trainer_module
-from selfcest.train.batching import (make_micro_batches, packed_micro_batches, packing_width, padding_fraction,
-                                     samples_from_trees)
+from selfcest.train.batching import (
+    make_micro_batches,
+    packed_micro_batches,
+    packing_width,
+    padding_fraction,
+    samples_from_trees,
+)
 from selfcest.train.checkpoint import list_checkpoints
 from selfcest.train.config import TrainConfig
+from selfcest.train.counterfactual import counterfactual_reruns
 from selfcest.train.logging import PhaseTimer, read_metrics
 from selfcest.train.setup import build_policy, build_trainer
 from selfcest.train.trainer import GRPOTrainer
@@ -133,21 +139,25 @@ def test_one_update_makes_what_was_rewarded_likelier(tmp_path, tiny_policy, demo
             return [good, bad][next(turn) % 2]
         return "Answer: 3" if "[L1]" in prompt else "<spawn>sum @L1<sep>sum @L2</spawn>"
 
-    policy = ClonePolicy(copy.deepcopy(tiny_policy.model), tiny_policy.tokenizer, tiny_policy.protocol)
+    policy = ClonePolicy(copy.deepcopy(tiny_policy.model), tiny_policy.tokenizer,
+                         tiny_policy.protocol)
     trees = scripted_trees(policy, [demo_task], respond)
     for tree in trees:
-        node = tree.root if judged == "root" else next(c for c in tree.clones() if c.objective == "sum @L2")
+        node = (tree.root if judged == "root"
+                else next(c for c in tree.clones() if c.objective == "sum @L2"))
         tree.reward = float(node.answer == good.split()[-1])
         tree.correct, tree.info["malformed_nodes"] = False, []
     assert sorted(t.reward for t in trees) == [0.0, 0.0, 1.0, 1.0]
     protocol, enc = policy.protocol, policy.protocol.encode
     prompt = (protocol.root_prompt(demo_task) if judged == "root"
               else protocol.clone_prompt(SpawnRequest("sum @L2", ("L2",)), DEMO_CONTEXT))
-    before = {text: turn_logprob(policy.model, prompt, enc(text + "<|im_end|>")) for text in (good, bad)}
+    before = {text: turn_logprob(policy.model, prompt, enc(text + "<|im_end|>"))
+              for text in (good, bad)}
     trainer = build_trainer(small_config(tmp_path, lr=1e-2), policy=policy, train_tasks=[demo_task])
     assert trainer.train_on_trees(trees)["train/optimizer_steps"] == 1
     trainer.close()
-    after = {text: turn_logprob(policy.model, prompt, enc(text + "<|im_end|>")) for text in (good, bad)}
+    after = {text: turn_logprob(policy.model, prompt, enc(text + "<|im_end|>"))
+             for text in (good, bad)}
     gain = (after[good] - after[bad]) - (before[good] - before[bad])
     assert gain > 0.5, (before, after)
 
@@ -176,7 +186,8 @@ def test_injected_and_prompt_tokens_get_exactly_zero_gradient(spawning_policy, d
     trainer = build_trainer(small_config(tmp_path), policy=policy, train_tasks=[demo_task])
     (tree,) = policy.engine(Budget(max_depth=1), SamplingParams(temperature=0)).rollout([demo_task])
     assert any(s.kind == "return" for s in tree.root.segments)
-    (sample,) = [s for s in samples_from_trees([tree], Advantages([{n: 1.0 for n in tree.nodes}], [True], {}))
+    (sample,) = [s for s in samples_from_trees(
+        [tree], Advantages([{n: 1.0 for n in tree.nodes}], [True], {}))
                  if s.node_id == "0"]
     captured = {}
 
@@ -303,7 +314,8 @@ def test_resume_is_bitwise_exact(tmp_path):
 def test_stale_samples_are_refused(tmp_path, spawning_policy, demo_task):
     policy = ClonePolicy(spawning_policy.model, spawning_policy.tokenizer, spawning_policy.protocol)
     trainer = build_trainer(small_config(tmp_path), policy=policy, train_tasks=[demo_task])
-    trees = policy.engine(Budget(max_depth=1), SamplingParams()).rollout([demo_task], samples_per_task=4)
+    trees = policy.engine(Budget(max_depth=1),
+                          SamplingParams()).rollout([demo_task], samples_per_task=4)
     for i, tree in enumerate(trees):
         tree.reward, tree.correct, tree.info["malformed_nodes"] = float(i), False, []
     trainer.backend.sync_weights(policy.model)  # the trees are now one version behind
@@ -314,14 +326,16 @@ def test_stale_samples_are_refused(tmp_path, spawning_policy, demo_task):
     assert all(torch.equal(before[n], p) for n, p in policy.model.named_parameters())
 
 
-def test_kept_stale_samples_get_the_truncated_importance_weight(tmp_path, spawning_policy, demo_task):
+def test_kept_stale_samples_get_the_truncated_importance_weight(
+    tmp_path, spawning_policy, demo_task):
     """stale_samples=correct keeps samples drawn under older weights and weighs them by
     min(pi_old / pi_behaviour, C), with pi_old recomputed under the current weights."""
     policy = ClonePolicy(spawning_policy.model, spawning_policy.tokenizer, spawning_policy.protocol)
     config = small_config(tmp_path)
     config.algo.stale_samples = "correct"
     trainer = build_trainer(config, policy=policy, train_tasks=[demo_task])
-    trees = policy.engine(Budget(max_depth=1), SamplingParams()).rollout([demo_task], samples_per_task=4)
+    trees = policy.engine(Budget(max_depth=1),
+                          SamplingParams()).rollout([demo_task], samples_per_task=4)
     for i, tree in enumerate(trees):
         tree.reward, tree.correct, tree.info["malformed_nodes"] = float(i), False, []
         for node in tree.nodes.values():  # as if sampled by other weights: logprobs differ
@@ -363,12 +377,14 @@ def test_counterfactual_credit_measures_each_clone(tmp_path, spawning_policy, de
     config.rollout.temperature = 0.0
 
     def exact(tree, task):
-        return RewardResult(score=float(tree.answer == task.answer), correct=tree.answer == task.answer)
+        return RewardResult(score=float(tree.answer == task.answer),
+                            correct=tree.answer == task.answer)
 
     trainer = build_trainer(config, policy=policy, train_tasks=[demo_task], reward_fn=exact)
     trees = trainer.engine(seed=0).rollout([demo_task], samples_per_task=2)
     score_trees(trees, [demo_task], exact)
-    counterfactual_reruns(trees, {demo_task.id: demo_task}, trainer.engine(seed=1), exact, config.algo.credit)
+    counterfactual_reruns(trees, {demo_task.id: demo_task}, trainer.engine(seed=1), exact,
+                          config.algo.credit)
     for tree in trees:
         assert tree.reward == 1.0
         assert set(tree.info["counterfactual"]) == {"0.0", "0.1"}
@@ -437,7 +453,8 @@ def scripted_trees(policy: ClonePolicy, tasks, respond, per_task: int = 4) -> li
     hence micro-batches and padding, are the same on every machine (sampled trees' are not:
     their tokens follow the CPU's float kernels)."""
     backend = ScriptedBackend(policy.tokenizer, respond)
-    engine = RolloutEngine(backend, policy.protocol, Budget(max_depth=1, node_generation=16), SamplingParams())
+    engine = RolloutEngine(backend, policy.protocol, Budget(max_depth=1, node_generation=16),
+                           SamplingParams())
     trees = engine.rollout(tasks, per_task)
     with torch.no_grad():
         for node in (node for tree in trees for node in tree.nodes.values()):
@@ -464,10 +481,12 @@ def varied_script():
         if "</return>" in assistant:
             return "Answer: 10"
         if "L1 L2" in prompt:
-            return ["<spawn>sum @L1<sep>sum @L2</spawn>", "<spawn>sum @L1 @L2</spawn>", "Answer: 9"][n % 3]
+            return ["<spawn>sum @L1<sep>sum @L2</spawn>", "<spawn>sum @L1 @L2</spawn>",
+                    "Answer: 9"][n % 3]
         if "[L1]" in prompt:
             return "Answer: 10" if "[L2]" in prompt else "Answer: 3"
-        return "Answer: 7" if "[L2]" in prompt else ["Answer: 0", "I think it is zero. Answer: 0"][n % 2]
+        return ("Answer: 7" if "[L2]" in prompt
+                else ["Answer: 0", "I think it is zero. Answer: 0"][n % 2])
     return respond
 
 
@@ -480,21 +499,25 @@ def test_packed_rows_train_exactly_as_one_sample_per_row(tmp_path, spawning_poli
     results = {}
     for packing in (False, True):
         # Rows run whole unpacked too (shared prompts: the next test).
-        config = small_config(tmp_path / str(packing), packing=packing, share_prompt_forward=False, lr=1e-2)
+        config = small_config(tmp_path / str(packing), packing=packing, share_prompt_forward=False,
+                              lr=1e-2)
         config.algo.loss.kl_coef = 0.1  # the reference forward packs too
         results[packing] = one_update(config, spawning_policy, trees, tasks)
     assert_same_update(results[False], results[True])
-    lengths = [s.length for s in samples_from_trees(trees, compute_advantages(trees, config.algo.credit))]
+    lengths = [s.length
+               for s in samples_from_trees(trees, compute_advantages(trees, config.algo.credit))]
     budget = config.trainer.tokens_per_micro_batch
     width = packing_width(lengths, budget)
     packed = padding_fraction(lengths, packed_micro_batches(lengths, budget), width)
     unpacked = padding_fraction(lengths, make_micro_batches(
         lengths, budget, pass_overhead_tokens=config.trainer.pass_overhead_tokens))
-    assert (results[True][0]["train/padding_frac"], results[False][0]["train/padding_frac"]) == (packed, unpacked)
+    assert (results[True][0]["train/padding_frac"],
+            results[False][0]["train/padding_frac"]) == (packed, unpacked)
     assert packed < unpacked
 
 
-def test_shared_prompts_train_as_one_pass_per_row(tmp_path, spawning_policy, demo_task, monkeypatch):
+def test_shared_prompts_train_as_one_pass_per_row(tmp_path, spawning_policy, demo_task,
+                                                  monkeypatch):
     """trainer.share_prompt_forward: the same trees give the same update with each group's
     prompt run once in the policy's forward as with every row run whole (the reference, a
     separate model here, shares its prompts too)."""
@@ -511,10 +534,12 @@ def test_shared_prompts_train_as_one_pass_per_row(tmp_path, spawning_policy, dem
             return cut(lengths, *args, **kwargs)
         monkeypatch.setattr(trainer_module, "make_micro_batches", recording_cut)
         results[share] = one_update(config, spawning_policy, trees, tasks,
-                                    hook=lambda _, args, kwargs, seen=seen: seen.append(len(kwargs["input_ids"])))
+                                    hook=lambda _, args, kwargs,
+                                    seen=seen: seen.append(len(kwargs["input_ids"])))
     assert_same_update(results[False], results[True])
     # Sharing adds a pass over fewer rows than any micro-batch has.
-    assert len(rows_seen[True]) > len(rows_seen[False]) and min(rows_seen[True]) < min(rows_seen[False])
+    assert len(
+        rows_seen[True]) > len(rows_seen[False]) and min(rows_seen[True]) < min(rows_seen[False])
     # Micro-batches are cut knowing that a group's prompt runs once (batching.py's tests):
     # each sample's tokens before its first sampled one, which the trees' copies repeat.
     lengths, prompts = cuts[True]
@@ -564,8 +589,10 @@ def test_two_processes_with_one_seed_train_bitwise_the_same(tmp_path):
         out = tmp_path / name
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
         subprocess.run(
-            [sys.executable, "-m", "selfcest.train", "model=tiny", "trainer.steps=2", "trainer.lr=1e-2",
-             "trainer.prompts_per_step=4", f"task.reward={reward_file}:digits", "log.progress=false",
+            [sys.executable, "-m", "selfcest.train", "model=tiny", "trainer.steps=2",
+             "trainer.lr=1e-2",
+             "trainer.prompts_per_step=4", f"task.reward={reward_file}:digits",
+             "log.progress=false",
              "log.trees_every=1", "rollout.budget.node_generation=24", f"trainer.output_dir={out}"],
             check=True, env=env, capture_output=True, cwd=tmp_path)
         weights = (out / "checkpoints" / "step_000002" / "model.safetensors").read_bytes()
@@ -635,15 +662,19 @@ def test_the_decision_entropy_bonus_alone_pulls_a_certain_decision_toward_a_coin
         assert after == before and "loss/decision_entropy" not in metrics
 
 
-def test_each_step_logs_how_often_roots_delegate_at_each_task_size(tmp_path, spawning_policy, demo_task):
+def test_each_step_logs_how_often_roots_delegate_at_each_task_size(
+    tmp_path, spawning_policy, demo_task):
     trainer = build_trainer(small_config(tmp_path), policy=spawning_policy, train_tasks=[demo_task])
-    (delegating,) = spawning_policy.engine(Budget(max_depth=1), SamplingParams(temperature=0)).rollout([demo_task])
+    (delegating,) = spawning_policy.engine(Budget(max_depth=1),
+                                           SamplingParams(temperature=0)).rollout([demo_task])
     direct = copy.deepcopy(delegating)
-    direct.root.segments = [s for s in direct.root.segments if s.kind == "sampled"][-1:]  # "Answer: 10"
+    # "Answer: 10"
+    direct.root.segments = [s for s in direct.root.segments if s.kind == "sampled"][-1:]
     larger = Task("larger", "Add all numbers in L1 L2 L3.", "12", {**demo_task.context, "L3": "2"})
     other = copy.deepcopy(delegating)
     other.task_id = "larger"
-    metrics = trainer._decision_metrics([delegating, direct, other], {"demo": demo_task, "larger": larger})
+    metrics = trainer._decision_metrics([delegating, direct, other],
+                                        {"demo": demo_task, "larger": larger})
     trainer.close()
     assert metrics == {"decision/p_delegate": 2 / 3, "decision/p_delegate/size_2": 0.5,
                        "decision/p_delegate/size_3": 1.0}
@@ -658,23 +689,28 @@ def test_trees_whose_reward_fails_score_0_counted_and_nan_never_reaches_the_loss
         kind = tree.sample_index % 4
         if kind == 0:
             raise ValueError("boom")
-        return [None, RewardResult(math.nan, False), RewardResult("high", False), digits(tree, task)][kind]
+        return [None, RewardResult(math.nan, False), RewardResult("high", False),
+                digits(tree, task)][kind]
 
     trainer = build_trainer(small_config(tmp_path, steps=2, lr=1e-2), reward_fn=moody)
     with caplog.at_level("WARNING"):
         history = trainer.train()
     trainer.close()
-    assert [row["reward/errors"] for row in read_metrics(tmp_path / "run/metrics.jsonl")] == [0.75, 0.75]
+    assert [row["reward/errors"]
+            for row in read_metrics(tmp_path / "run/metrics.jsonl")] == [0.75, 0.75]
     assert "step 1: the reward failed on 12 of 16 trees, scored 0 (first: tree " in caplog.text
     assert "#0: ValueError: boom" in caplog.text
-    assert all(math.isfinite(h["loss/pg_loss"]) and h["train/optimizer_steps"] == 1 for h in history)
+    assert all(math.isfinite(h["loss/pg_loss"]) and h["train/optimizer_steps"] == 1
+               for h in history)
     assert all(torch.isfinite(p).all() for p in trainer.policy.model.parameters())
 
 
 def test_a_run_whose_rewards_all_fail_stops_saying_why(tmp_path):
-    trainer = build_trainer(small_config(tmp_path, steps=3, save_every=1), reward_fn=lambda tree, task: math.nan)
-    with pytest.raises(RunError, match=r"step 1: the reward failed on every tree \(tree .*#0: returned nan, not a "
-                                       r"RewardResult\); nothing can be learned from rewards that all fail"):
+    trainer = build_trainer(small_config(tmp_path, steps=3, save_every=1), reward_fn=lambda tree,
+                            task: math.nan)
+    with pytest.raises(RunError, match=r"step 1: the reward failed on every tree \(tree .*#0: "
+                                       r"returned nan, not a RewardResult\); nothing can be "
+                                       r"learned from rewards that all fail"):
         trainer.train()
     trainer.close()
     assert not (tmp_path / "run/checkpoints").exists()
@@ -687,7 +723,8 @@ def test_a_hanging_reward_is_cut_off_by_its_timeout_and_counted(tmp_path):
     config = small_config(tmp_path, steps=1)
     spec = config.task.reward
     (tmp_path / "hangs.py").write_text(
-        f"import time\nfrom selfcest.rewards.base import load_reward\ndigits = load_reward({spec!r})\n"
+        "import time\nfrom selfcest.rewards.base import load_reward\ndigits = "
+        f"load_reward({spec!r})\n"
         "def reward(tree, task):\n"
         "    if tree.task_index == 0 and tree.sample_index == 0:\n        time.sleep(60)\n"
         "    return digits(tree, task)\n")
@@ -710,8 +747,9 @@ def test_updates_with_non_finite_gradients_are_skipped_counted_and_stop_the_run(
     trainer = build_trainer(config)
     before = params_of(trainer.policy.model)
     trainer.policy.model.get_output_embeddings().weight.register_hook(lambda grad: grad * math.nan)
-    with pytest.raises(RunError, match=r"step 2: 2 updates in a row were skipped for a non-finite loss, gradient "
-                                       r"or policy \(last: gradient norm nan; trainer.max_nonfinite_updates\)"):
+    with pytest.raises(RunError, match=r"step 2: 2 updates in a row were skipped for a non-finite "
+                                       r"loss, gradient or policy \(last: gradient norm nan; "
+                                       r"trainer.max_nonfinite_updates\)"):
         trainer.train()
     trainer.close()
     (row,) = read_metrics(tmp_path / "run/metrics.jsonl")
@@ -724,13 +762,16 @@ def test_a_learning_rate_that_blows_up_stops_the_run_without_saving_nan(tmp_path
     """lr 1e30: the first update leaves weights near 1e30, whose logits overflow, so every
     later tree is sampled with NaN logprobs. Those updates are skipped and counted; the
     third in a row stops the run. Every checkpoint saved holds finite weights."""
-    trainer = build_trainer(small_config(tmp_path, steps=8, lr=1e30, save_every=1, keep_checkpoints=8))
-    with pytest.raises(RunError, match=r"step 4: 3 updates in a row .*\(last: 16 trees sampled with NaN logprobs; "
-                                       r".*the learning rate \(trainer.lr=1e\+30\) may be too high. Last checkpoint: "
+    trainer = build_trainer(small_config(tmp_path, steps=8, lr=1e30, save_every=1,
+                                         keep_checkpoints=8))
+    with pytest.raises(RunError, match=r"step 4: 3 updates in a row .*\(last: 16 trees sampled "
+                                       r"with NaN logprobs; .*the learning rate "
+                                       r"\(trainer.lr=1e\+30\) may be too high. Last checkpoint: "
                                        r".*step_000003"):
         trainer.train()
     trainer.close()
     rows = read_metrics(tmp_path / "run/metrics.jsonl")
     assert [row.get("train/nonfinite_skipped", 0) for row in rows] == [0, 1, 1]
     for folder in list_checkpoints(tmp_path / "run"):
-        assert all(torch.isfinite(t).all() for t in load_file(folder / "model.safetensors").values())
+        assert all(torch.isfinite(t).all()
+                   for t in load_file(folder / "model.safetensors").values())

@@ -4,48 +4,30 @@ Requests that are pending at the same time (the branches of every tree in the ba
 wait for tokens) are decoded together: one left-padded prefill, then one forward pass per
 step for all of them. Each row stops on its own stop tokens or its own ``max_tokens``, and
 finished rows leave the batch (and the KV cache) at once, so short branches cost nothing
-while long ones finish.
-
-Sampling draws each row's token with the row's own seeded generator, so a request's tokens
+while long ones finish. Each row samples with its own seeded generator, so a request's tokens
 do not depend on what else was batched with it (up to floating-point effects of padding).
 
-Requests with the same prompt in one batch (a GRPO group) are prefilled once, and each row
-starts from a copy of that row's keys and values (a pass over fewer rows may round the last
-bits differently, as any other batching may).
+Requests with the same prompt in one batch (a GRPO group) are prefilled once; a node resumed
+after its spawn call prefills only what came after its cached prefix (`PrefixCache`).
 
-A batch's keys and values go into buffers reserved ahead of the decode (`kv_cache.py`;
-models whose cache is a stack of plain attention layers), where transformers' own cache
-copies all of them at every step; the model computes bitwise the same either way.
-
-A row that stops on one of its request's ``resume_token_ids`` (a node's spawn call) leaves
-its keys and values in a `PrefixCache`; the request that resumes the node, whose prompt
-starts with that row's tokens, prefills only what came after them (the clones' answers).
-Keys computed one token at a time and in one prefill differ in their last bits, so a
-resumed node can sample differently than without the cache, as it can when batched with
-other rows.
-
-Simplification: requests that arrive while a batch is decoding wait for the next batch
-(no continuous batching); at the tree sizes this backend serves, the engine's waves keep
-batches full. vLLM is the engine for continuous batching.
+Simplification: requests that arrive while a batch decodes wait for the next one (vLLM is
+the engine for continuous batching); at these tree sizes the engine's waves keep batches full.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from selfcest.modeling import cache_argument, plain_attention_cache, repeated_rows
 from selfcest.rollout.backends.base import Completion, SamplingParams, check_request
 from selfcest.rollout.backends.kv_cache import reserved_cache
 from selfcest.rollout.backends.prefix_cache import PrefixCache
-
 
 # Positions a decode's KV buffers hold past its prompts at first (kv_cache.py): a decode that
 # goes further doubles them (copies amortised over the steps), and a large max_tokens does not
@@ -136,7 +118,8 @@ class HFBackend:
             while seen != len(self._pending):
                 seen = len(self._pending)
                 await asyncio.sleep(0)
-            batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
+            batch, self._pending = self._pending[
+                : self.max_batch_size], self._pending[self.max_batch_size :]
             if not self._pending:
                 self._wakeup.clear()
             live = [r for r in batch if not r.future.cancelled()]
@@ -200,7 +183,8 @@ class HFBackend:
                 if token in requests[index].stop_token_ids:
                     finish[index] = "stop"
                     if token in requests[index].resume_token_ids:
-                        self._keep_prefix(cache, row, requests[index].prompt_ids + tokens[index][:-1])
+                        self._keep_prefix(cache, row, requests[index].prompt_ids
+                                          + tokens[index][:-1])
                 elif len(tokens[index]) < requests[index].max_tokens:
                     keep_rows.append(row)
                     next_tokens.append(token)
@@ -219,20 +203,23 @@ class HFBackend:
             for i in range(len(requests))
         ]
 
-    def _first_pass(self, input_ids, attention, positions, cache: DynamicCache, cache_arg: str) -> torch.Tensor:
+    def _first_pass(self, input_ids, attention, positions, cache: DynamicCache,
+                    cache_arg: str) -> torch.Tensor:
         """The last position's logits (float32) of the batch's first pass, which fills ``cache``.
 
         Rows that are one prompt (a GRPO group's copies, nothing taken from the prefix cache)
         run once: the pass feeds each distinct row, then every row gets its copy of that row's
         keys, values and logits.
         """
+        # A pass over fewer rows may round the last bits differently, as any batching may.
         repeated = repeated_rows(input_ids, attention) if cache.get_seq_length() == 0 else None
         fed = slice(None) if repeated is None else repeated[0]
         real = int(attention[fed][:, -input_ids.shape[1]:].sum())
         self.prefill_tokens += input_ids[fed].numel()
         self.prefill_real_tokens += real
         self.repeated_prompt_tokens += int(attention[:, -input_ids.shape[1]:].sum()) - real
-        out = self.model(input_ids=input_ids[fed], attention_mask=attention[fed], position_ids=positions[fed],
+        out = self.model(input_ids=input_ids[fed], attention_mask=attention[fed],
+                         position_ids=positions[fed],
                          use_cache=True, logits_to_keep=1, **{cache_arg: cache})
         logits = out.logits[:, -1, :].float()
         if repeated is None:
@@ -267,10 +254,12 @@ class HFBackend:
         cached = width - fed  # columns whose keys and values come from the prefix cache
         key_values = None
         if cached:
-            key_values = _batch_key_values(
-                [(p.key_values, max(0, n - fed)) if p else (None, 0) for n, p in zip(lengths, prefixes)],
-                cached, device)
+            rows = [(p.key_values, max(0, n - fed)) if p else (None, 0)
+                    for n, p in zip(lengths, prefixes)]
+            key_values = _batch_key_values(rows, cached, device)
         self.cached_prompt_tokens += sum(max(0, n - fed) for n in lengths)
+        # Buffers reserved ahead of the decode (kv_cache.py), where transformers' own cache
+        # copies every key and value at every step; the model computes bitwise the same.
         if self.plain_cache:
             room = min(max(r.max_tokens for r in requests), RESERVED_AHEAD)
             cache = reserved_cache(self.model.config, width + room, key_values)
@@ -281,11 +270,16 @@ class HFBackend:
     def _keep_prefix(self, cache: DynamicCache, row: int, token_ids: list[int]) -> None:
         """Store the keys and values of batch row ``row``, whose fed tokens are ``token_ids``
         (the last ones in every layer's cache; the columns before them are padding)."""
+        # The row stopped on a resume token (a node's spawn call): the request that resumes the
+        # node starts with these tokens and prefills only the clones' answers. Keys computed a
+        # token at a time and in one prefill differ in their last bits, so a resumed node can
+        # sample differently than without the cache, as it can when batched with other rows.
         if self.prefix_cache is None:
             return
         length = len(token_ids)
         self.prefix_cache.put(token_ids, [
-            (layer.keys[row:row + 1, :, -length:].clone(), layer.values[row:row + 1, :, -length:].clone())
+            (layer.keys[row:row + 1, :, -length:].clone(),
+             layer.values[row:row + 1, :, -length:].clone())
             for layer in cache.layers])
 
     def sync_weights(self, model=None) -> None:
@@ -309,53 +303,14 @@ def _batch_key_values(rows, width: int, device) -> list[tuple[torch.Tensor, torc
     layers = []
     for layer, (keys, values) in enumerate(sample):
         batch_keys = keys.new_zeros((len(rows), keys.shape[1], width, keys.shape[3]), device=device)
-        batch_values = values.new_zeros((len(rows), values.shape[1], width, values.shape[3]), device=device)
+        batch_values = values.new_zeros((len(rows), values.shape[1], width, values.shape[3]),
+                                        device=device)
         for row, (key_values, used) in enumerate(rows):
             if used:
                 batch_keys[row, :, width - used:] = key_values[layer][0][0, :, :used]
                 batch_values[row, :, width - used:] = key_values[layer][1][0, :, :used]
         layers.append((batch_keys, batch_values))
     return layers
-
-
-def repeated_rows(input_ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Where rows repeat (same tokens, same mask): the first row of each distinct one, and
-    for every row the position of its distinct row in that list. None when no row repeats."""
-    distinct, row_of = torch.unique(torch.cat([input_ids, attention], dim=1), dim=0, return_inverse=True)
-    if len(distinct) == len(input_ids):
-        return None
-    rows = torch.arange(len(row_of), device=row_of.device)
-    first = torch.full((len(distinct),), len(row_of), device=row_of.device)
-    return first.scatter_reduce(0, row_of, rows, "amin"), row_of
-
-
-def plain_attention_cache(model) -> bool:
-    """Whether ``model``'s KV cache is a stack of plain full-attention layers, the only kind
-    a cached prefix can be spliced into (not sliding-window, linear or recurrent layers)."""
-    try:
-        layers = DynamicCache(config=model.config).layers
-    except Exception:  # a config transformers cannot read layer types from
-        return False
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-
-
-def cache_argument(model) -> str:
-    """Name of the KV-cache keyword: ``cache`` in newer transformers, ``past_key_values`` before."""
-    return "cache" if "cache" in forward_parameters(model) else "past_key_values"
-
-
-def forward_parameters(model) -> frozenset[str]:
-    """The keyword parameters of the transformers model's ``forward`` inside ``model`` (a DDP
-    or peft wrapper's too)."""
-    inner = getattr(model, "module", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    return _forward_parameters(type(inner))
-
-
-@functools.cache
-def _forward_parameters(model_class: type) -> frozenset[str]:
-    # Reading a signature costs about as much as a forward pass of a tiny model: once per class.
-    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 def sample_rows(
@@ -383,12 +338,14 @@ def sample_rows(
             probs = probs.index_put(banned_at, torch.zeros((), device=logits.device))
         tokens = _draw(probs, samplings, generators)
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), tokens)
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1),
+                                 tokens)
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     return tokens.tolist(), chosen.tolist()
 
 
-def _draw(probs: torch.Tensor, samplings: Sequence[SamplingParams], generators: Sequence[torch.Generator]):
+def _draw(probs: torch.Tensor, samplings: Sequence[SamplingParams],
+          generators: Sequence[torch.Generator]):
     """Inverse-CDF draws over each row's probabilities sorted in descending order, truncated
     by the row's top-k and top-p; one uniform of the row's generator each."""
     vocab = probs.shape[-1]
@@ -399,9 +356,11 @@ def _draw(probs: torch.Tensor, samplings: Sequence[SamplingParams], generators: 
         ranks = torch.arange(vocab, device=probs.device)[None, :]
         # Keep the top_k most likely tokens and the smallest prefix whose mass reaches top_p
         # (the most likely token always stays).
-        drop = (ranks >= top_k[:, None]) | (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None])
+        drop = ((ranks >= top_k[:, None])
+                | (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]))
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     cdf = sorted_probs.cumsum(-1)
     uniform = torch.stack([torch.rand((), generator=g) for g in generators]).to(probs.device)
-    ranks = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
+    ranks = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None],
+                               right=True).clamp(max=vocab - 1)
     return order.gather(1, ranks).squeeze(1)

@@ -41,7 +41,8 @@ class ReservedLayer(DynamicLayer):
             self.value_buffer = _buffer_like(value_states, self.capacity)
         end = self.length + key_states.shape[-2]
         if end > self.key_buffer.shape[1]:
-            self._rebuild(lambda buffer: buffer[:, :self.length], max(end, 2 * self.key_buffer.shape[1]))
+            self._rebuild(lambda buffer: buffer[:, :self.length],
+                          max(end, 2 * self.key_buffer.shape[1]))
         self.key_buffer[:, self.length:end] = key_states.transpose(1, 2)
         self.value_buffer[:, self.length:end] = value_states.transpose(1, 2)
         self._fill(end)
@@ -71,7 +72,8 @@ class ReservedLayer(DynamicLayer):
         self.key_buffer = self.value_buffer = None
 
     def offload(self):
-        raise NotImplementedError("ReservedLayer is not offloaded: use a DynamicCache with offloading=True")
+        raise NotImplementedError("ReservedLayer is not offloaded: use a DynamicCache with "
+                                  "offloading=True")
 
     def _fill(self, length: int) -> None:
         self.length = length
@@ -93,7 +95,7 @@ def reserved_cache(config, capacity: int, key_values=None) -> DynamicCache:
     """A `DynamicCache` for ``config``'s model whose layers are `ReservedLayer`s with room for
     ``capacity`` positions, holding ``key_values`` (per layer ``(keys, values)``) if given.
     Only for models whose cache is a stack of plain attention layers
-    (`selfcest.rollout.backends.hf.plain_attention_cache`)."""
+    (`selfcest.modeling.plain_attention_cache`)."""
     cache = DynamicCache(config=config)
     cache.layers = [ReservedLayer(capacity) for _ in cache.layers]
     for layer, (keys, values) in zip(cache.layers, key_values or ()):

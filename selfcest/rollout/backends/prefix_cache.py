@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-KeyValues = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, length, dim]
+# per layer: keys, values [1, heads, length, dim]
+KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -72,7 +73,8 @@ class PrefixCache:
         leave at least the prompt's last token to prefill (its logits are the first token's
         distribution); None if none is stored."""
         prompt = tuple(prompt_ids)
-        best = max((key for key in self._entries if prompt[: len(key)] == key), key=len, default=None)
+        best = max((key for key in self._entries if prompt[: len(key)] == key), key=len,
+                   default=None)
         if best is None:
             return None
         entry = self._entries[best]
@@ -80,7 +82,8 @@ class PrefixCache:
         if not entry.uses:
             self._drop(best)
         length = min(len(best), len(prompt) - 1)
-        return CachedPrefix(length, [(k[:, :, :length], v[:, :, :length]) for k, v in entry.key_values])
+        return CachedPrefix(length,
+                            [(k[:, :, :length], v[:, :, :length]) for k, v in entry.key_values])
 
     def check_weights(self, model) -> None:
         """Drop every entry if ``model``'s parameters were written since the last check (an

@@ -32,12 +32,15 @@ class BackendName(Choice):
 class BackendSettings:
     """Which engine generates, and its settings."""
 
-    backend: BackendName = setting(BackendName.hf, help="generation engine: hf (transformers, any machine) or vllm")
-    max_batch_size: int = setting(64, help="hf backend: most sequences decoded together in one batch")
+    backend: BackendName = setting(BackendName.hf,
+                                   help="generation engine: hf (transformers, any machine) or vllm")
+    max_batch_size: int = setting(64,
+                                  help="hf backend: most sequences decoded together in one batch")
     prefix_cache_mb: float = setting(512, help=(
         "hf backend: memory (MiB) for the KV cache of nodes that stopped on a spawn call, so "
         "that resuming with the clones' answers prefills only the answers (0 = off)"))
-    vllm: VLLMConfig = setting(help="vLLM engine settings, used when backend is vllm", factory=VLLMConfig)
+    vllm: VLLMConfig = setting(help="vLLM engine settings, used when backend is vllm",
+                               factory=VLLMConfig)
 
     def check(self) -> None:
         require_backend(self.backend)
@@ -59,18 +62,23 @@ class BackendSpec:
     own_weights: bool  # holds a copy of the weights (else it decodes with the policy's model)
 
 
-def _hf(policy, settings: BackendSettings, placement=None, collective_timeout_s: float = 0.0) -> Backend:
-    return HFBackend(policy.model, policy.tokenizer.pad_token_id, settings.max_batch_size, settings.prefix_cache_mb)
+def _hf(policy, settings: BackendSettings, placement=None,
+        collective_timeout_s: float = 0.0) -> Backend:
+    return HFBackend(policy.model, policy.tokenizer.pad_token_id, settings.max_batch_size,
+                     settings.prefix_cache_mb)
 
 
-def _vllm(policy, settings: BackendSettings, placement=None, collective_timeout_s: float = 3600.0) -> Backend:
-    return VLLMBackend.from_policy(policy, placement=placement, collective_timeout_s=collective_timeout_s,
+def _vllm(policy, settings: BackendSettings, placement=None,
+          collective_timeout_s: float = 3600.0) -> Backend:
+    return VLLMBackend.from_policy(policy, placement=placement,
+                                   collective_timeout_s=collective_timeout_s,
                                    **asdict(settings.vllm))
 
 
 BACKENDS: dict[str, BackendSpec] = {
     "hf": BackendSpec(_hf, None, "", whole_node=False, shared=False, own_weights=False),
-    "vllm": BackendSpec(_vllm, "vllm", INSTALL_HINT, whole_node=True, shared=True, own_weights=True),
+    "vllm": BackendSpec(_vllm, "vllm", INSTALL_HINT, whole_node=True, shared=True,
+                        own_weights=True),
 }
 
 

@@ -22,8 +22,8 @@ class ScriptedBackend:
 
     A script that does not end its text with a stop token gets the tokenizer's EOS appended
     (as a model ending its turn). The result is cut exactly as a real backend would: after
-    the first stop token, or at ``max_tokens``. If ``respond`` raises, the request fails with that exception.
-    Logprobs are a fixed ``logprob`` per token. Every call is recorded in ``calls``.
+    the first stop token, or at ``max_tokens``. If ``respond`` raises, the request fails with
+    that exception. Logprobs are a fixed ``logprob`` per token. Every call is recorded in ``calls``.
     """
 
     def __init__(self, tokenizer, respond: Callable[[str], str], logprob: float = -0.5):

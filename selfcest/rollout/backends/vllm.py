@@ -48,8 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from selfcest.algo.losses import token_logprobs
 from selfcest.configure import Choice, require, setting
+from selfcest.modeling import token_logprobs
 from selfcest.rollout.backends.base import Completion, SamplingParams, check_request
 from selfcest.rollout.backends.vllm_thread import EngineThread, Lockstep, Request, empty_cache
 from selfcest.rollout.backends.weights import (
@@ -63,7 +63,7 @@ from selfcest.rollout.backends.weights import (
     stream,
     weights_stamp,
 )
-from selfcest.rollout.node_rollout import Placement
+from selfcest.rollout.machine_rollout import Placement
 
 INSTALL_HINT = (
     "the vLLM backend needs vLLM: pip install 'selfcest[vllm]' (GPU), or on a CPU run "
@@ -106,12 +106,14 @@ class VLLMConfig:
     max_model_len: int | None = setting(None, help=(
         "longest sequence (prompt + generation) the engine serves; null: the model's own limit; "
         "set it to at least budget.node_context (longer requests are refused)"))
-    max_num_seqs: int = setting(256, help="most sequences one engine step decodes (vLLM's max_num_seqs)")
+    max_num_seqs: int = setting(256,
+                                help="most sequences one engine step decodes (vLLM's max_num_seqs)")
     max_num_batched_tokens: int | None = setting(8192, help=(
         "most tokens one engine step computes, prefill chunks included (vLLM's "
         "max_num_batched_tokens; its profiling reserves activation memory for this many); null: "
         "vLLM's default"))
-    kv_cache_dtype: str = setting("auto", help="KV cache dtype: auto (the engine's dtype), or fp8 (half the memory, less exact)")
+    kv_cache_dtype: str = setting("auto", help="KV cache dtype: auto (the engine's dtype), or fp8 "
+                                               "(half the memory, less exact)")
     enable_prefix_caching: bool = setting(True, help=(
         "reuse the KV of prompts requests share (a group's copies of one prompt, a parent "
         "resuming after its clones)"))
@@ -121,8 +123,10 @@ class VLLMConfig:
     sleep_level: int = setting(2, help=(
         "2: weights and KV cache dropped while asleep (the sync overwrites the weights anyway); "
         "1: weights copied to CPU memory and back"))
-    enforce_eager: bool = setting(False, help="run without CUDA graphs: slower decoding, faster start, less memory")
-    dtype: str = setting("auto", help="weight dtype in the engine (auto: the checkpoint's; bfloat16, float32, ...)")
+    enforce_eager: bool = setting(False, help="run without CUDA graphs: slower decoding, faster "
+                                              "start, less memory")
+    dtype: str = setting("auto", help="weight dtype in the engine (auto: the checkpoint's; "
+                                      "bfloat16, float32, ...)")
     seed: int = setting(0, help=(
         "seed of the engine's sampler; each process's engine adds its data-parallel index, so "
         "their streams differ and the processes of one tensor-parallel engine draw alike"))
@@ -130,13 +134,15 @@ class VLLMConfig:
         "give every request the rollout's own seed, so a request's tokens do not depend on what "
         "else is batched with it; vLLM samples seeded requests one row at a time (slower). "
         "false: the engine's sampler seeded once (seed), reproducible for one schedule"))
-    sync_dir: str | None = setting(None, help="folder for the files weight sync; null: a temporary folder, removed by close()")
+    sync_dir: str | None = setting(None, help="folder for the files weight sync; null: a temporary "
+                                              "folder, removed by close()")
     weight_sync: WeightSync = setting(WeightSync.auto, help=(
         "how sync_weights moves weights: tensors (streamed in memory, one tensor at a time), "
         "files (a safetensors folder every worker reloads: the fallback), auto (tensors wherever "
         "the engine's workers are in this process: all but a single process with "
         "tensor_parallel_size > 1)"))
-    sync_timeout_s: float = setting(300.0, help="a sync (load + verification) that takes longer raises instead of hanging")
+    sync_timeout_s: float = setting(300.0, help="a sync (load + verification) that takes longer "
+                                                "raises instead of hanging")
     verify_sync: bool = setting(True, help=(
         "check every sync with a probe: vLLM decodes probe_tokens tokens greedily after a fixed "
         "16-token prompt and the trainer's model scores them; the logprobs must agree within "
@@ -158,10 +164,13 @@ class VLLMConfig:
                 f"must be in (0, 1]; got {self.gpu_memory_utilization}")
         for name in ("tensor_parallel_size", "max_num_seqs", "probe_tokens"):
             require(getattr(self, name) >= 1, name, f"must be >= 1; got {getattr(self, name)}")
-        require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+        require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+                "max_num_batched_tokens",
                 f"must be null or >= 1; got {self.max_num_batched_tokens}")
-        require(self.sleep_level in (1, 2), "sleep_level", f"must be 1 or 2; got {self.sleep_level}")
-        require(self.sync_timeout_s > 0, "sync_timeout_s", f"must be > 0; got {self.sync_timeout_s}")
+        require(self.sleep_level in (1, 2), "sleep_level",
+                f"must be 1 or 2; got {self.sleep_level}")
+        require(self.sync_timeout_s > 0, "sync_timeout_s",
+                f"must be > 0; got {self.sync_timeout_s}")
 
 
 @dataclass
@@ -189,7 +198,8 @@ class Topology:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls(tensor_parallel_size=tensor_parallel_size)
         rank = dist.get_rank()
-        return cls(rank, dist.get_world_size(), int(os.environ.get("LOCAL_RANK", rank)), tensor_parallel_size)
+        return cls(rank, dist.get_world_size(), int(os.environ.get("LOCAL_RANK", rank)),
+                   tensor_parallel_size)
 
     @property
     def executor(self) -> str:
@@ -215,7 +225,8 @@ class Topology:
         return self.executor != "mp"
 
 
-def engine_arguments(config: VLLMConfig, model_path: str | Path, topology: Topology, dummy: bool) -> dict[str, Any]:
+def engine_arguments(config: VLLMConfig, model_path: str | Path, topology: Topology,
+                     dummy: bool) -> dict[str, Any]:
     """vLLM ``EngineArgs`` for this process's engine (``dummy``: random weights until the
     first sync, which loads the trainer's own)."""
     return dict(
@@ -260,13 +271,15 @@ class VLLMBackend:
 
     ``model_path`` is a Hugging Face model folder (`from_policy` writes one for you; with
     ``layout`` given and the engine's workers in this process, its weights need not be
-    there: the engine starts from random weights, and the first `sync_weights` loads them). Call `close` when done, or use the backend
+    there: the engine starts from random weights, and the first `sync_weights` loads them). Call
+    `close` when done, or use the backend
     as a context manager: it stops the engine thread, frees the engine and removes the
     temporary folders the backend made.
     """
 
     def __init__(self, model_path: str | Path, config: VLLMConfig | None = None, *,
-                 placement: Placement | None = None, layout: dict[str, tuple[int, ...]] | None = None,
+                 placement: Placement | None = None, layout: dict[str, tuple[int, ...]]
+                 | None = None,
                  collective_timeout_s: float = 3600.0) -> None:
         """``placement``: with one engine per node, this process's place on it (all of the
         node's processes build the engine together); ``collective_timeout_s``: how long the
@@ -281,7 +294,8 @@ class VLLMBackend:
             raise ValueError("enable_sleep_mode needs a CUDA GPU (vLLM has no sleep mode on CPUs)")
         self.topology = Topology.of_this_process(config.tensor_parallel_size)
         self._lockstep = _lockstep(placement, self.topology, collective_timeout_s)
-        self.is_follower = self._lockstep is not None and self.topology.rank != self._lockstep.leader
+        self.is_follower = (self._lockstep is not None
+                            and self.topology.rank != self._lockstep.leader)
         self.weight_version = 0
         self.last_sync: SyncReport | None = None
         self.served: tuple | None = None  # `weights_stamp` of the model last synced
@@ -304,10 +318,12 @@ class VLLMBackend:
         model_config = self._thread.engine.model_config
         self.max_model_len: int = model_config.max_model_len
         self._engine_dtype: torch.dtype = model_config.dtype
-        self._probe_prompt = _probe_prompt(self._thread.engine.get_tokenizer(), model_config.get_vocab_size())
+        self._probe_prompt = _probe_prompt(self._thread.engine.get_tokenizer(),
+                                           model_config.get_vocab_size())
 
     @classmethod
-    def from_policy(cls, policy, folder: str | Path | None = None, *, placement: Placement | None = None,
+    def from_policy(cls, policy, folder: str | Path | None = None, *, placement: Placement
+                    | None = None,
                     collective_timeout_s: float = 3600.0, **config: Any) -> VLLMBackend:
         """Serve a `ClonePolicy`'s current weights (adapters merged); ``config``: `VLLMConfig`
         fields. Only the model's config and tokenizer are written (to ``folder``, by default a
@@ -341,7 +357,8 @@ class VLLMBackend:
         from vllm.v1.executor import Executor
 
         os.environ.update(launcher_environment(self.topology))
-        args = self._vllm.EngineArgs(**engine_arguments(self.config, model_path, self.topology, dummy))
+        args = self._vllm.EngineArgs(**engine_arguments(self.config, model_path, self.topology,
+                                                        dummy))
         vllm_config = args.create_engine_config()
         # LLMEngine.from_engine_args follows VLLM_ENABLE_V1_MULTIPROCESSING (on by default)
         # and moves the engine core to another process, where tensors cannot be handed over
@@ -367,7 +384,8 @@ class VLLMBackend:
     ) -> Completion:
         check_request(prompt_ids, max_tokens)
         if self.is_follower:
-            raise RuntimeError("this process's engine replays its node leader's steps: the leader generates")
+            raise RuntimeError("this process's engine replays its node leader's steps: the leader "
+                               "generates")
         if len(prompt_ids) + max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the "
@@ -375,7 +393,8 @@ class VLLMBackend:
                 "least the context budget (budget.node_context)"
             )
         if self._unsynced is not None:
-            raise WeightSyncError(f"generation waits until a weight sync succeeds ({self._unsynced})")
+            raise WeightSyncError("generation waits until a weight sync succeeds "
+                                  f"({self._unsynced})")
         self._thread.check_alive()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -394,7 +413,8 @@ class VLLMBackend:
             self._thread.abort(request)
             raise
 
-    def sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int], sampling: SamplingParams, seed: int):
+    def sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int],
+                        sampling: SamplingParams, seed: int):
         """vLLM's SamplingParams of one request (seeded only with ``seeded_requests``).
 
         Banned tokens get vLLM's largest negative logit bias, so they are never drawn; unlike
@@ -428,7 +448,8 @@ class VLLMBackend:
         )
 
     def _join_wave(self, loop: asyncio.AbstractEventLoop, request: Request) -> None:
-        """Queue ``request`` with the others of this asyncio wave; the first schedules the hand-over."""
+        """Queue ``request`` with the others of this asyncio wave; the first schedules the
+        hand-over."""
         if self._wave_loop is not loop:  # a new event loop (each rollout runs its own)
             self._wave, self._wave_loop = [], loop
         self._wave.append(request)
@@ -493,13 +514,15 @@ class VLLMBackend:
                 # started from random weights, whose loader reads no files) its tensors.
                 weights = read_checkpoint_file(self._sync_dir) if self.topology.in_process else None
             source: dict[str, Any] = (
-                {"weights_path": str(self._sync_dir)} if weights is None else {"weights_iterator": weights})
+                {"weights_path": str(self._sync_dir)} if weights is None
+                else {"weights_iterator": weights})
             # The update's kernels were queued on the trainer's CUDA stream; the engine thread
             # reads the parameters on its own streams, so every queued write must have landed
             # (verl synchronises before it hands its weight buckets over, for the same reason).
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            self._thread.call(lambda engine: load_weights(engine, source), deadline - time.perf_counter())
+            self._thread.call(lambda engine: load_weights(engine, source), deadline
+                              - time.perf_counter())
             diff = self._verify(model, deadline, calibrate) if self.config.verify_sync else None
         except Exception as error:
             self._unsynced = f"{type(error).__name__}: {error}"[:500]
@@ -509,7 +532,8 @@ class VLLMBackend:
         self._unsynced = None
         self.served = weights_stamp(model)
         self.weight_version += 1
-        self.last_sync = SyncReport(self.weight_version, method, time.perf_counter() - started, diff,
+        self.last_sync = SyncReport(self.weight_version, method, time.perf_counter() - started,
+                                    diff,
                                     self._probe_atol if diff is not None else None)
 
     @property
@@ -523,12 +547,14 @@ class VLLMBackend:
         """Greedy probe through vLLM, scored by ``model``; returns the largest logprob gap."""
         # The prefix cache was emptied by the load, so the probe computes everything afresh.
         params = self._vllm.SamplingParams(
-            temperature=0.0, max_tokens=self.config.probe_tokens, ignore_eos=True, logprobs=0, detokenize=False
+            temperature=0.0, max_tokens=self.config.probe_tokens, ignore_eos=True, logprobs=0,
+            detokenize=False
         )
         done: concurrent.futures.Future = concurrent.futures.Future()
         # One id on every process: the engines of a tensor-parallel group must take alike requests.
         self._probes += 1
-        probe = Request(self._probe_prompt, params, -1, lambda result: _settle(done, result), id=f"probe{self._probes}")
+        probe = Request(self._probe_prompt, params, -1, lambda result: _settle(done, result),
+                        id=f"probe{self._probes}")
         self._thread.submit([probe])
         try:
             completion = done.result(timeout=max(0.0, deadline - time.perf_counter()))
@@ -540,11 +566,12 @@ class VLLMBackend:
         diff = (expected - torch.tensor(completion.logprobs)).abs().max().item()
         if calibrate and self._probe_atol is None:
             self._probe_atol = probe_tolerance(self._engine_dtype, diff)
-        atol = self._probe_atol if self._probe_atol is not None else probe_tolerance(self._engine_dtype, None)
+        atol = (self._probe_atol if self._probe_atol is not None
+                else probe_tolerance(self._engine_dtype, None))
         if not diff <= atol:  # also catches NaN
             raise WeightSyncError(
-                f"after the sync vLLM's probe logprobs differ from the trained model's by {diff:.3g} "
-                f"(> verify_atol {atol:g}): the engine is not serving these weights"
+                "after the sync vLLM's probe logprobs differ from the trained model's by "
+                f"{diff:.3g} (> verify_atol {atol:g}): the engine is not serving these weights"
             )
         return diff
 
@@ -597,7 +624,8 @@ def write_model_folder(policy, folder: Path) -> list:
     """The model's config and tokenizer in ``folder`` (what vLLM builds its model from), on
     every process: transformers' ``save_pretrained`` writes on rank 0 only. Returns the
     model's checkpoint plan (`weights.checkpoint_entries`)."""
-    model = policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model
+    model = (policy.model.get_base_model() if hasattr(policy.model, "get_base_model")
+             else policy.model)
     folder.mkdir(parents=True, exist_ok=True)
     model.config.to_json_file(str(folder / "config.json"))
     policy.tokenizer.save_pretrained(folder)

@@ -1,4 +1,5 @@
-"""The one thread that drives an in-process vLLM engine, and the lockstep of a tensor-parallel group.
+"""The one thread that drives an in-process vLLM engine, and the lockstep of a tensor-parallel
+group.
 
 vLLM's engine is not thread-safe; funnelling every use through one thread also keeps
 per-thread state (CPU thread binding, CUDA device and streams) where the engine was set up.
@@ -114,7 +115,8 @@ class EngineThread:
         self._spare_group = spare_group
         self._error: BaseException | None = None  # why the thread stopped
         ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(build, ready), name="selfcest-vllm", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(build, ready), name="selfcest-vllm",
+                                        daemon=True)
         self._thread.start()
         self.engine = ready.result()  # engine start-up errors surface here
 
@@ -214,7 +216,8 @@ class EngineThread:
         elif kind == "call":
             fn, done = message[1], message[2]
             if self._live:
-                done.set_exception(RuntimeError(f"{len(self._live)} generation requests are still running"))
+                done.set_exception(RuntimeError(f"{len(self._live)} generation requests are still "
+                                                "running"))
                 return
             try:
                 done.set_result(fn(engine))

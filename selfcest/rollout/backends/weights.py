@@ -67,7 +67,8 @@ def _reader(tensor: torch.Tensor, layer) -> Callable[[], torch.Tensor]:
     """How to read one state-dict tensor whole, with the peft layer that wraps it merged in."""
     if isinstance(layer, TrainableTokensLayer) and not layer.merged:
         return lambda: _whole(layer.get_merged_weights(layer.active_adapters))
-    if isinstance(layer, LoraLayer) and not layer.merged and tensor is layer.get_base_layer().weight:
+    if isinstance(layer,
+                  LoraLayer) and not layer.merged and tensor is layer.get_base_layer().weight:
         return lambda: _whole(tensor) + _lora_delta(layer).to(tensor.dtype)
     return lambda: _whole(tensor)
 
@@ -109,7 +110,8 @@ def folder_layout(folder: str | Path) -> dict[str, tuple[int, ...]]:
             for name in checkpoint.keys():
                 layout[name] = tuple(checkpoint.get_slice(name).get_shape())
     if not layout:
-        raise FileNotFoundError(f"no safetensors weights in {folder}: save the model with save_pretrained")
+        raise FileNotFoundError(f"no safetensors weights in {folder}: save the model with "
+                                "save_pretrained")
     return layout
 
 
@@ -130,8 +132,10 @@ def check_layout(entries: list[Entry], layout: dict[str, tuple[int, ...]]) -> No
     problems += [f"{entry.name} is not in the engine's checkpoint"
                  for entry in entries if entry.name not in layout and entry.source not in served]
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise WeightSyncError(f"these weights do not fit the served model ({shown}); nothing was loaded")
+        shown = ("; ".join(problems[:5])
+                 + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
+        raise WeightSyncError(f"these weights do not fit the served model ({shown}); nothing was "
+                              "loaded")
 
 
 def stream(entries: list[Entry], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -155,7 +159,8 @@ def save_checkpoint_file(weights: Iterator[tuple[str, torch.Tensor]], folder: Pa
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / "model.safetensors.tmp"
     # Copies, because safetensors refuses tensors that share memory (tied weights).
-    save_file({name: tensor.to("cpu", copy=True).contiguous() for name, tensor in weights}, str(tmp))
+    save_file({name: tensor.to("cpu", copy=True).contiguous() for name, tensor in weights},
+              str(tmp))
     tmp.replace(folder / "model.safetensors")
 
 

@@ -117,7 +117,8 @@ def install(monkeypatch, engine: Engine) -> dict:
         import os
 
         built["environment"] = {key: os.environ.get(key) for key in
-                                ("RANK", "LOCAL_RANK", "WORLD_SIZE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+                                ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                 "VLLM_ENABLE_V1_MULTIPROCESSING")}
         return engine
 
     vllm = types.ModuleType("vllm")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from selfcest.budget import Budget
-from selfcest.policy import forward_logprobs
+from selfcest.modeling import cache_argument, forward_logprobs
 from selfcest.rollout.backends.base import SamplingParams
-from selfcest.rollout.backends.hf import HFBackend, cache_argument, sample_rows
+from selfcest.rollout.backends.hf import HFBackend, sample_rows
 from selfcest.rollout.engine import RolloutEngine
 
 
@@ -56,13 +56,15 @@ def reference_draw(logits, sampling, generator):
     vocab = probs.shape[-1]
     if sampling.banned_token_ids:
         banned = torch.tensor(sampling.banned_token_ids)
-        probs, logits = probs.index_fill(-1, banned, 0.0), logits.index_fill(-1, banned, float("-inf"))
+        probs, logits = probs.index_fill(-1, banned,
+                                         0.0), logits.index_fill(-1, banned, float("-inf"))
     if sampling.greedy:
         token = logits.argmax(-1)
         return token.item(), logp[token].item()
     sorted_probs, order = torch.sort(probs[None], dim=-1, descending=True)
     ranks = torch.arange(vocab)[None, :]
-    drop = (ranks >= (sampling.top_k or vocab)) | (sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p)
+    drop = ((ranks >= (sampling.top_k or vocab))
+            | (sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p))
     if sampling.top_k or sampling.top_p < 1:
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     cdf = sorted_probs.cumsum(-1)
@@ -86,7 +88,8 @@ def reference_decode(model, pad_token_id, requests):
     out = [([], []) for _ in requests]
     live, cache = list(range(len(requests))), DynamicCache(config=model.config)
     while True:
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                       use_cache=True,
                        logits_to_keep=1, **{cache_argument(model): cache}).logits[:, -1, :].float()
         keep = []
         for row, i in enumerate(live):
@@ -108,7 +111,8 @@ def reference_decode(model, pad_token_id, requests):
 
 @pytest.mark.parametrize(
     "sampling",
-    [SamplingParams(), SamplingParams(temperature=0), SamplingParams(temperature=0, banned_token_ids=(5,)),
+    [SamplingParams(), SamplingParams(temperature=0),
+     SamplingParams(temperature=0, banned_token_ids=(5,)),
      SamplingParams(temperature=0.7, top_p=0.9, top_k=20, banned_token_ids=(5, 9))],
 )
 def test_decoding_is_bitwise_the_reference_loop(tiny_policy, sampling):
@@ -116,8 +120,9 @@ def test_decoding_is_bitwise_the_reference_loop(tiny_policy, sampling):
     rows leaving the batch at different steps (own budgets, own stop tokens)."""
     model = tiny_policy.model.eval()
     backend = HFBackend(model, tiny_policy.tokenizer.pad_token_id)
-    free = generate_all(backend, [(p, dict(max_tokens=24, stop_token_ids=[], sampling=sampling, seed=i))
-                                  for i, p in enumerate(prompts(tiny_policy.tokenizer, 6))])
+    free = generate_all(backend,
+                        [(p, dict(max_tokens=24, stop_token_ids=[], sampling=sampling, seed=i))
+                         for i, p in enumerate(prompts(tiny_policy.tokenizer, 6))])
     stops = [[c.token_ids[3 * i]] if i % 2 == 0 else [] for i, c in enumerate(free)]
     requests = [(p, dict(max_tokens=3 + 2 * i, stop_token_ids=stops[i], sampling=sampling, seed=i))
                 for i, p in enumerate(prompts(tiny_policy.tokenizer, 6))]
@@ -128,7 +133,8 @@ def test_decoding_is_bitwise_the_reference_loop(tiny_policy, sampling):
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0)])
-def test_repeated_prompts_are_prefilled_once_and_sample_as_the_reference_loop(tiny_policy, sampling):
+def test_repeated_prompts_are_prefilled_once_and_sample_as_the_reference_loop(
+    tiny_policy, sampling):
     """A batch of three prompts, six rows (a prompt three times, one twice, one once; own
     seeds and budgets): the first pass feeds three rows, and every row samples the tokens the
     plain loop, which prefills all six, samples (logprobs to float rounding: a pass over three
@@ -137,7 +143,8 @@ def test_repeated_prompts_are_prefilled_once_and_sample_as_the_reference_loop(ti
     backend = HFBackend(model, tiny_policy.tokenizer.pad_token_id)
     distinct = prompts(tiny_policy.tokenizer, 3)
     order = [0, 1, 0, 2, 1, 0]
-    requests = [(distinct[k], dict(max_tokens=4 + 3 * i, stop_token_ids=[], sampling=sampling, seed=i))
+    requests = [(distinct[k],
+                 dict(max_tokens=4 + 3 * i, stop_token_ids=[], sampling=sampling, seed=i))
                 for i, k in enumerate(order)]
     completions = generate_all(backend, requests)
     expected = reference_decode(model, tiny_policy.tokenizer.pad_token_id, requests)
@@ -145,7 +152,8 @@ def test_repeated_prompts_are_prefilled_once_and_sample_as_the_reference_loop(ti
     for completion, (_, logprobs) in zip(completions, expected):
         assert torch.allclose(torch.tensor(completion.logprobs), torch.tensor(logprobs), atol=1e-5)
     width = max(map(len, distinct))
-    assert backend.prefill_tokens == 3 * width and backend.prefill_real_tokens == sum(map(len, distinct))
+    assert backend.prefill_tokens == 3 * width and backend.prefill_real_tokens == sum(
+        map(len, distinct))
     assert backend.repeated_prompt_tokens == 2 * len(distinct[0]) + len(distinct[1])
     if sampling.temperature:  # own seeds: copies of one prompt draw their own tokens
         assert len({tuple(completions[i].token_ids[:4]) for i in (0, 2, 5)}) == 3
@@ -154,19 +162,23 @@ def test_repeated_prompts_are_prefilled_once_and_sample_as_the_reference_loop(ti
 def test_each_row_stops_on_its_own_stop_tokens_and_budget(tiny_policy):
     backend = HFBackend(tiny_policy.model, tiny_policy.tokenizer.pad_token_id)
     batch = prompts(tiny_policy.tokenizer, 6)
-    free = generate_all(backend, [(p, dict(max_tokens=40, stop_token_ids=[], sampling=SamplingParams(),
-                                           seed=7)) for p in batch])
+    free = generate_all(backend,
+                        [(p, dict(max_tokens=40, stop_token_ids=[], sampling=SamplingParams(),
+                                  seed=7)) for p in batch])
     # Stop each row on a token it really samples, at different depths: rows stop right there.
     stops = [c.token_ids[3 + i] for i, c in enumerate(free)]
-    stopped = generate_all(backend, [(p, dict(max_tokens=40, stop_token_ids=[s], sampling=SamplingParams(),
-                                              seed=7)) for p, s in zip(batch, stops)])
+    stopped = generate_all(backend,
+                           [(p, dict(max_tokens=40, stop_token_ids=[s], sampling=SamplingParams(),
+                                     seed=7)) for p, s in zip(batch, stops)])
     for before, after, stop in zip(free, stopped, stops):
         cut = before.token_ids.index(stop) + 1
-        assert after.token_ids == before.token_ids[:cut]  # the stop token is included, nothing after
+        # the stop token is included, nothing after
+        assert after.token_ids == before.token_ids[:cut]
         assert after.finish_reason == "stop"
     budgets = [1, 2, 5, 9, 17, 40]
-    capped = generate_all(backend, [(p, dict(max_tokens=m, stop_token_ids=[], sampling=SamplingParams(),
-                                             seed=7)) for p, m in zip(batch, budgets)])
+    capped = generate_all(backend,
+                          [(p, dict(max_tokens=m, stop_token_ids=[], sampling=SamplingParams(),
+                                    seed=7)) for p, m in zip(batch, budgets)])
     for completion, before, budget in zip(capped, free, budgets):
         assert len(completion.token_ids) == budget and completion.finish_reason == "length"
         assert completion.token_ids == before.token_ids[:budget]
@@ -200,7 +212,8 @@ def test_without_spawning_a_spawn_call_costs_no_extra_decode(spawning_policy, de
     """With max_depth=0 the policy's spawn call does not stop its row: every root decodes
     in the one batch, one forward pass per token of the longest root, and nothing else."""
     backend = spawning_policy.backend()
-    engine = RolloutEngine(backend, spawning_policy.protocol, Budget(max_depth=0, node_generation=40),
+    engine = RolloutEngine(backend, spawning_policy.protocol,
+                           Budget(max_depth=0, node_generation=40),
                            SamplingParams())
     trees = engine.rollout([demo_task], samples_per_task=4)
     end = spawning_policy.protocol.spawn_stop_id
@@ -257,7 +270,8 @@ def node_tokens(trees):
     return [{node_id: node.context_ids() for node_id, node in tree.nodes.items()} for tree in trees]
 
 
-def test_a_resumed_node_prefills_only_what_its_cached_prefix_does_not_cover(spawning_policy, demo_task):
+def test_a_resumed_node_prefills_only_what_its_cached_prefix_does_not_cover(
+    spawning_policy, demo_task):
     """Roots that stop on their spawn call keep their KV cache; resuming with the clones'
     answers prefills only the answers, and the trees are those sampled without the cache."""
 
@@ -284,11 +298,13 @@ def stop_and_resume_requests(tokenizer, backend, count, sampling):
     """``count`` first calls that stop on a token they sample (a resume token) at different
     depths, and the prompts that resume them with suffixes of different lengths."""
     first_prompts = prompts(tokenizer, count)
-    free = generate_all(backend, [(p, dict(max_tokens=16, stop_token_ids=[], sampling=sampling, seed=i))
-                                  for i, p in enumerate(first_prompts)])
+    free = generate_all(backend,
+                        [(p, dict(max_tokens=16, stop_token_ids=[], sampling=sampling, seed=i))
+                         for i, p in enumerate(first_prompts)])
     stops = [[c.token_ids[2 + 3 * i]] for i, c in enumerate(free)]
     first = generate_all(backend, [
-        (p, dict(max_tokens=16, stop_token_ids=stop, resume_token_ids=stop, sampling=sampling, seed=i))
+        (p,
+         dict(max_tokens=16, stop_token_ids=stop, resume_token_ids=stop, sampling=sampling, seed=i))
         for i, (p, stop) in enumerate(zip(first_prompts, stops))])
     assert all(c.finish_reason == "stop" for c in first)
     resumed = [p + c.token_ids + tokenizer.encode(" answer" * (1 + 2 * i))
@@ -309,7 +325,8 @@ def test_a_cached_prefix_samples_what_a_full_prefill_samples(tiny_policy, sampli
     for prefix_cache_mb in (512, 0):
         backend = HFBackend(model, pad, prefix_cache_mb=prefix_cache_mb)
         resumed, stored = stop_and_resume_requests(tokenizer, backend, 3, sampling)
-        second = generate_all(backend, [(p, dict(max_tokens=10, stop_token_ids=[], sampling=sampling, seed=50 + i))
+        second = generate_all(backend, [(p, dict(max_tokens=10, stop_token_ids=[],
+                                                 sampling=sampling, seed=50 + i))
                                         for i, p in enumerate(resumed + fresh)])
         results.append((second, backend))
     (cached, with_cache), (plain, without) = results
@@ -351,9 +368,11 @@ def test_models_with_sliding_window_layers_get_no_prefix_cache():
 def test_bad_requests_fail_clearly(tiny_policy):
     backend = HFBackend(tiny_policy.model, tiny_policy.tokenizer.pad_token_id)
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
-        generate_all(backend, [([1, 2], dict(max_tokens=0, stop_token_ids=[], sampling=SamplingParams(), seed=0))])
+        generate_all(backend, [([1, 2], dict(max_tokens=0, stop_token_ids=[],
+                                             sampling=SamplingParams(), seed=0))])
     with pytest.raises(ValueError, match="empty prompt"):
-        generate_all(backend, [([], dict(max_tokens=3, stop_token_ids=[], sampling=SamplingParams(), seed=0))])
+        generate_all(backend, [([], dict(max_tokens=3, stop_token_ids=[], sampling=SamplingParams(),
+                                         seed=0))])
 
 
 def test_token_fidelity_with_a_real_model(spawning_policy, demo_task):
@@ -379,7 +398,8 @@ def test_token_fidelity_with_a_real_model(spawning_policy, demo_task):
                 completion = by_prompt[tuple(context)]
                 assert segment.token_ids == completion.token_ids
                 ids = torch.tensor([context + segment.token_ids])
-                logp = forward_logprobs(spawning_policy.model, ids, torch.ones_like(ids))[0][0, len(context):]
+                logp = forward_logprobs(spawning_policy.model, ids,
+                                        torch.ones_like(ids))[0][0, len(context):]
                 assert torch.allclose(logp, torch.tensor(segment.logprobs), atol=1e-4)
             context += segment.token_ids
         assert context == node.context_ids()
@@ -391,16 +411,19 @@ def test_banned_tokens_are_never_drawn_and_keep_the_untruncated_logprobs():
     with top-k, and every drawn token reports its logprob before the ban."""
     logits = torch.tensor([[5.0, 1.0, 0.5, -1.0]])
     full = torch.log_softmax(logits[0], -1)
-    cases = [SamplingParams(banned_token_ids=(0,)), SamplingParams(temperature=0, banned_token_ids=(0,)),
+    cases = [SamplingParams(banned_token_ids=(0,)),
+             SamplingParams(temperature=0, banned_token_ids=(0,)),
              SamplingParams(top_k=2, banned_token_ids=(0, 1))]
     for sampling in cases:
         for seed in range(50):
-            (token,), (logprob,) = sample_rows(logits, [sampling], [torch.Generator().manual_seed(seed)])
+            (token,), (logprob,) = sample_rows(logits, [sampling],
+                                               [torch.Generator().manual_seed(seed)])
             assert token not in sampling.banned_token_ids
             assert logprob == pytest.approx(full[token].item())
         if sampling.greedy:
             assert token == 1
-    drawn = {sample_rows(logits, [SamplingParams()], [torch.Generator().manual_seed(s)])[0][0] for s in range(50)}
+    drawn = {sample_rows(logits, [SamplingParams()], [torch.Generator().manual_seed(s)])[0][0]
+             for s in range(50)}
     assert 0 in drawn  # without the ban the favourite is drawn
 
 

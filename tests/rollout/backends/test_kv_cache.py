@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_hf import generate_all, prompts, reference_decode
 from transformers.cache_utils import DynamicLayer
 
 from selfcest.rollout.backends import hf
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.kv_cache import ReservedLayer, reserved_cache
-
-from test_hf import generate_all, prompts, reference_decode
 
 
 def states(batch: int, positions: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +74,8 @@ def test_a_reserved_cache_starts_from_given_keys_and_values(tiny_policy):
 
 
 @pytest.mark.parametrize("room", ["backend's", "two positions ahead", "outgrown every step"])
-def test_decoding_through_reserved_buffers_is_bitwise_the_dynamic_cache_loop(tiny_policy, monkeypatch, room):
+def test_decoding_through_reserved_buffers_is_bitwise_the_dynamic_cache_loop(
+    tiny_policy, monkeypatch, room):
     if room == "two positions ahead":
         monkeypatch.setattr(hf, "RESERVED_AHEAD", 2)
     if room == "outgrown every step":

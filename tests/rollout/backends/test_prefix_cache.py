@@ -9,7 +9,8 @@ from selfcest.rollout.backends.prefix_cache import PrefixCache
 
 def key_values(length: int, layers: int = 2, mark: float = 0.0):
     """Per layer keys and values [1, 2 heads, length, 4 dims]; position p holds mark + p."""
-    column = (mark + torch.arange(length, dtype=torch.float32))[None, None, :, None].expand(1, 2, length, 4)
+    column = (mark + torch.arange(length,
+                                  dtype=torch.float32))[None, None, :, None].expand(1, 2, length, 4)
     return [(column.clone(), -column.clone()) for _ in range(layers)]
 
 

@@ -11,7 +11,7 @@ import pytest
 from selfcest.configure import ConfigError, validate
 from selfcest.eval.cli import run_eval
 from selfcest.eval.config import EvalConfig
-from selfcest.experiments.cpu_repro import compose
+from selfcest.experiments.common import compose
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends import registry
 from selfcest.rollout.backends.hf import HFBackend
@@ -26,7 +26,8 @@ INSTALL = r"vllm: the vLLM backend needs vLLM: pip install 'selfcest\[vllm\]'"
 def without_vllm(monkeypatch):
     """vLLM not installed, whatever this environment has."""
     find_spec = registry.importlib.util.find_spec
-    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None if name == "vllm"
+                        else find_spec(name))
 
 
 def test_the_hf_backend_is_built_from_its_settings(tiny_policy):
@@ -34,7 +35,8 @@ def test_the_hf_backend_is_built_from_its_settings(tiny_policy):
     assert isinstance(backend, HFBackend) and backend.model is tiny_policy.model
     assert backend.max_batch_size == 3 and backend.prefix_cache is None
     assert serve(tiny_policy, BackendSettings()) is not backend  # cheap: a new one each time
-    assert isinstance(tiny_policy.backend(), HFBackend) and isinstance(tiny_policy.backend("hf"), HFBackend)
+    assert isinstance(tiny_policy.backend(),
+                      HFBackend) and isinstance(tiny_policy.backend("hf"), HFBackend)
 
 
 def test_training_without_vllm_fails_before_any_model_is_built(without_vllm, monkeypatch, tmp_path):
@@ -54,18 +56,22 @@ def test_every_experiment_without_vllm_fails_as_its_config_is_checked(without_vl
             validate(config)
 
 
-@pytest.mark.skipif(registry.importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+@pytest.mark.skipif(registry.importlib.util.find_spec("vllm") is not None,
+                    reason="vLLM is installed here")
 def test_the_controller_command_without_vllm_stops_before_its_warm_start(tmp_path):
     """The controller's run starts with its warm start; the app's validation comes first."""
-    done = subprocess.run([sys.executable, "-m", "selfcest.experiments.controller", "experiment=controller_quick",
-                           "rollout=vllm", f"trainer.output_dir={tmp_path}"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "selfcest.experiments.controller",
+                           "experiment=controller_quick",
+                           "rollout=vllm", f"trainer.output_dir={tmp_path}"], capture_output=True,
+                          text=True,
                           timeout=300)
     assert done.returncode == 2 and "pip install 'selfcest[vllm]'" in done.stderr
     assert not (tmp_path / "sft").exists()  # (Hydra wrote its own .hydra folder there)
 
 
 def test_an_evaluation_without_vllm_fails_before_the_policy_is_read(without_vllm, tmp_path):
-    config = EvalConfig(policy=str(tmp_path / "no-such-policy"), splits={"id": TaskSourceConfig("keyed_sum", {})},
+    config = EvalConfig(policy=str(tmp_path / "no-such-policy"),
+                        splits={"id": TaskSourceConfig("keyed_sum", {})},
                         rollout=BackendSettings(backend="vllm"))
     with pytest.raises(ConfigError, match=f"^rollout.backend={INSTALL}"):
         run_eval(config)

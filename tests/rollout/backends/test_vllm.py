@@ -31,18 +31,19 @@ from selfcest.eval.cli import run_eval
 from selfcest.eval.config import EvalConfig, MethodConfig
 from selfcest.eval.decisions import Mode
 from selfcest.experiments.controller import measure
-from selfcest.policy import ClonePolicy, apply_lora, forward_logprobs
+from selfcest.modeling import forward_logprobs
+from selfcest.policy import ClonePolicy, apply_lora
 from selfcest.protocol import SpawnRequest
 from selfcest.rewards.base import RewardResult
 from selfcest.rollout.backends import vllm as vllm_backend
 from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.hf import HFBackend
 from selfcest.rollout.backends.registry import BackendSettings, release_shared
-from selfcest.rollout.backends.vllm import VLLMBackend, VLLMConfig, WeightSyncError
+from selfcest.rollout.backends.vllm import VLLMConfig, WeightSyncError
 from selfcest.task import Task
-from selfcest.tree import CloneTree
 from selfcest.train.config import TaskSourceConfig, TrainConfig
 from selfcest.train.setup import build_trainer
+from selfcest.tree import CloneTree
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -134,11 +135,13 @@ def assert_same_trees(expected, actual) -> None:
         for node_id, node in want.nodes.items():
             other = got.nodes[node_id]
             assert other.prompt_ids == node.prompt_ids
-            assert [(s.kind, s.token_ids) for s in other.segments] == [(s.kind, s.token_ids) for s in node.segments]
+            assert [(s.kind, s.token_ids)
+                    for s in other.segments] == [(s.kind, s.token_ids) for s in node.segments]
             assert other.finish_reason == node.finish_reason
             for mine, theirs in zip(node.segments, other.segments):
                 if mine.logprobs is not None:
-                    gap = (torch.tensor(mine.logprobs) - torch.tensor(theirs.logprobs)).abs().max().item()
+                    gap = (torch.tensor(mine.logprobs)
+                           - torch.tensor(theirs.logprobs)).abs().max().item()
                     worst = max(worst, gap)
     assert worst <= LOGPROB_ATOL
 
@@ -148,7 +151,8 @@ def generate_all(backend, requests):
 
     async def run():
         return await asyncio.gather(*(
-            backend.generate(prompt, max_tokens=max_tokens, stop_token_ids=stop, sampling=sampling, seed=seed)
+            backend.generate(prompt, max_tokens=max_tokens, stop_token_ids=stop, sampling=sampling,
+                             seed=seed)
             for prompt, max_tokens, stop, sampling, seed in requests
         ))
 
@@ -219,7 +223,8 @@ def test_the_trainer_trains_on_vllm_trees_and_keeps_it_in_sync(synced, tmp_path)
     config.log.progress = False
     trained = ClonePolicy(copy.deepcopy(policy.model), policy.tokenizer, policy.protocol)
     version = backend.weight_version
-    trainer = build_trainer(config, policy=trained, train_tasks=TASKS, eval_tasks=[], backend=backend,
+    trainer = build_trainer(config, policy=trained, train_tasks=TASKS, eval_tasks=[],
+                            backend=backend,
                           reward_fn=digit_share)
     before = {n: p.detach().clone() for n, p in trained.model.named_parameters()}
     history = trainer.train()
@@ -227,7 +232,8 @@ def test_the_trainer_trains_on_vllm_trees_and_keeps_it_in_sync(synced, tmp_path)
     # With vLLM the old logprobs are recomputed by default, and the gap to the rollout's and
     # the sync probe's are logged every step (float32 engine: rounding only).
     assert trainer.recompute and all(m["rollout/logprob_diff_max"] <= LOGPROB_ATOL for m in history)
-    assert all(0 <= m["rollout/logprob_diff_mean"] <= m["rollout/logprob_diff_max"] for m in history)
+    assert all(0 <= m["rollout/logprob_diff_mean"] <= m["rollout/logprob_diff_max"]
+               for m in history)
     assert all(m["sync/probe_max_diff"] <= m["sync/probe_atol"] == 1e-3 for m in history)
     assert all(m["train/trainable_tokens"] > 0 for m in history)
     assert all(not torch.equal(before[n], p) for n, p in trained.model.named_parameters())
@@ -269,7 +275,8 @@ def test_lora_weights_are_merged_into_the_sync(synced):
             if "lora_B" in name:
                 parameter.normal_(0.0, 0.5)  # lora_B starts at zero: make the adapter matter
     backend.sync_weights(adapted)  # verified against the adapted model
-    hf = generate_all(HFBackend(adapted, policy.tokenizer.pad_token_id), [(list(range(3, 19)), 10, [], GREEDY, 0)])
+    hf = generate_all(HFBackend(adapted, policy.tokenizer.pad_token_id),
+                      [(list(range(3, 19)), 10, [], GREEDY, 0)])
     served = generate_all(backend, [(list(range(3, 19)), 10, [], GREEDY, 0)])
     assert hf[0].token_ids == served[0].token_ids
     assert not any(getattr(module, "merged", False) for module in adapted.modules())
@@ -292,7 +299,8 @@ def test_lora_with_trainable_protocol_tokens_syncs(synced):
     hf = generate_all(HFBackend(adapted, policy.tokenizer.pad_token_id), request)[0]
     served = generate_all(backend, request)[0]
     assert served.token_ids == hf.token_ids
-    assert (torch.tensor(served.logprobs) - torch.tensor(hf.logprobs)).abs().max().item() <= LOGPROB_ATOL
+    assert (torch.tensor(served.logprobs)
+            - torch.tensor(hf.logprobs)).abs().max().item() <= LOGPROB_ATOL
 
 
 # ---------------------------------------------------------------------- one switch, everywhere
@@ -315,17 +323,22 @@ def test_an_evaluation_on_vllm_gives_the_trees_hf_gives(synced, tmp_path):
     policy.save_pretrained(tmp_path / "policy")
     for name in ("hf", "vllm"):
         run_eval(EvalConfig(
-            policy=str(tmp_path / "policy"), splits={"id": TaskSourceConfig("keyed_sum", {"split": "test"})},
-            tasks_per_split=3, budgets=[48, 96], budget=BUDGET, device="cpu", out_dir=str(tmp_path / name),
+            policy=str(tmp_path / "policy"),
+            splits={"id": TaskSourceConfig("keyed_sum", {"split": "test"})},
+            tasks_per_split=3, budgets=[48, 96], budget=BUDGET, device="cpu",
+            out_dir=str(tmp_path / name),
             methods=[MethodConfig("clones", "clones"), MethodConfig("monolithic", "monolithic")],
             rollout=BackendSettings(backend=name, vllm=ENGINE)))
     files = sorted(path.name for path in (tmp_path / "hf" / "trees").iterdir())
-    assert files == sorted(path.name for path in (tmp_path / "vllm" / "trees").iterdir()) and len(files) == 4
+    assert files == sorted(path.name
+                           for path in (tmp_path / "vllm" / "trees").iterdir()) and len(files) == 4
     for file in files:
-        expected, actual = ([CloneTree.from_json(line) for line in (tmp_path / name / "trees" / file).read_text().splitlines()]
+        expected, actual = ([CloneTree.from_json(
+            line) for line in (tmp_path / name / "trees" / file).read_text().splitlines()]
                             for name in ("hf", "vllm"))
         assert_same_trees(expected, actual)
-    accuracy = [[cell["accuracy"] for cell in json.loads((tmp_path / name / "results.json").read_text())["cells"]]
+    accuracy = [[cell["accuracy"]
+                 for cell in json.loads((tmp_path / name / "results.json").read_text())["cells"]]
                 for name in ("hf", "vllm")]
     assert accuracy[0] == accuracy[1]
 
@@ -339,7 +352,8 @@ def test_a_controller_measurement_on_vllm_gives_the_decisions_hf_gives(synced):
     config.rollout.budget = BUDGET
     config.eval.reward_samples = 1
     hf = measure(config, ClonePolicy(policy.model, policy.tokenizer, policy.protocol), TASKS)
-    served = measure(config, ClonePolicy(policy.model, policy.tokenizer, policy.protocol, serving=SERVING), TASKS)
+    served = measure(config, ClonePolicy(policy.model, policy.tokenizer, policy.protocol,
+                                         serving=SERVING), TASKS)
     assert {d.mode for d in hf} == set(Mode)
     assert [asdict(d) for d in served] == [asdict(d) for d in hf]
 
@@ -361,7 +375,8 @@ def test_sampled_logprobs_follow_the_sampling_contract(synced, monkeypatch):
         assert crowd.token_ids == alone.token_ids
         ids = torch.tensor([prompt + alone.token_ids])
         with torch.no_grad():
-            expected = forward_logprobs(policy.model, ids, torch.ones_like(ids), temperature)[0][0, len(prompt):]
+            expected = forward_logprobs(policy.model, ids, torch.ones_like(ids),
+                                        temperature)[0][0, len(prompt):]
         assert (expected - torch.tensor(alone.logprobs)).abs().max().item() <= LOGPROB_ATOL
 
 
@@ -386,13 +401,15 @@ def test_requests_carry_a_seed_only_where_asked(synced, monkeypatch):
 def test_budgets_and_stop_tokens_are_exact(synced):
     """No token past max_tokens; a stop ends the completion and is its last token; as HF."""
     policy, backend = synced
-    prompts = [policy.protocol.encode(f"Sum the numbers in L{i}.") + list(range(20 + i, 30 + 2 * i)) for i in range(8)]
+    prompts = [policy.protocol.encode(f"Sum the numbers in L{i}.") + list(range(20 + i, 30 + 2 * i))
+               for i in range(8)]
     free = generate_all(backend, [(p, 12, [], GREEDY, 0) for p in prompts])
     stop = sorted({c.token_ids[3] for c in free[::2]})  # tokens some continuations reach early
     requests = [(p, max_tokens, stop, GREEDY, 0) for p in prompts for max_tokens in (1, 2, 5, 12)]
     served = generate_all(backend, requests)
     hf = generate_all(HFBackend(policy.model, policy.tokenizer.pad_token_id), requests)
-    assert [(c.token_ids, c.finish_reason) for c in served] == [(c.token_ids, c.finish_reason) for c in hf]
+    assert [(c.token_ids, c.finish_reason)
+            for c in served] == [(c.token_ids, c.finish_reason) for c in hf]
     for (_, max_tokens, _, _, _), completion in zip(requests, served):
         tokens = completion.token_ids
         assert 1 <= len(tokens) <= max_tokens
@@ -414,7 +431,8 @@ def test_requests_it_cannot_serve_faithfully_are_refused(synced):
         generate_all(backend, [(prompt, backend.max_model_len, [], GREEDY, 0)])
     # Greedy decoding ignores truncation, so it is served (with untruncated logprobs).
     plain = generate_all(backend, [(prompt, 4, [], GREEDY, 0)])[0]
-    greedy_top_p = generate_all(backend, [(prompt, 4, [], SamplingParams(temperature=0, top_p=0.5), 0)])[0]
+    greedy_top_p = generate_all(backend,
+                                [(prompt, 4, [], SamplingParams(temperature=0, top_p=0.5), 0)])[0]
     assert greedy_top_p.token_ids == plain.token_ids
     assert greedy_top_p.logprobs == pytest.approx(plain.logprobs, abs=LOGPROB_ATOL)
 
@@ -429,7 +447,8 @@ def test_banned_tokens_are_never_drawn(synced):
     request = [(prompt, 12, [], banned, 0)]
     served = generate_all(backend, request)[0].token_ids
     assert not set(served) & set(banned.banned_token_ids)
-    assert served == generate_all(HFBackend(policy.model, policy.tokenizer.pad_token_id), request)[0].token_ids
+    assert served == generate_all(HFBackend(policy.model, policy.tokenizer.pad_token_id),
+                                  request)[0].token_ids
 
 
 def test_sleep_without_sleep_mode_changes_nothing(synced):
@@ -460,7 +479,8 @@ def test_a_request_its_caller_gives_up_is_aborted(synced):
     prompt = policy.protocol.root_prompt(TASKS[0])
 
     async def give_up():
-        request = backend.generate(prompt, max_tokens=400, stop_token_ids=[], sampling=GREEDY, seed=0)
+        request = backend.generate(prompt, max_tokens=400, stop_token_ids=[], sampling=GREEDY,
+                                   seed=0)
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(request, timeout=0.05)
 
@@ -499,7 +519,8 @@ def test_a_partial_set_of_weights_is_refused_before_loading(synced):
     policy, backend = synced
     partial = copy.deepcopy(policy.model)
     del partial.model.layers[3]
-    assert_sync_refused(policy, backend, partial, match="model.layers.3.self_attn.q_proj.weight missing")
+    assert_sync_refused(policy, backend, partial,
+                        match="model.layers.3.self_attn.q_proj.weight missing")
 
 
 def assert_probe_refuses(policy, backend, monkeypatch, broken_load) -> None:
@@ -526,7 +547,8 @@ def test_a_partly_loaded_engine_is_caught_by_the_probe(synced, monkeypatch):
     load = vllm_backend.load_weights
 
     def load_all_but_the_last_layer(engine, source):
-        kept = [(n, t) for n, t in source["weights_iterator"] if not n.startswith("model.layers.3.")]
+        kept = [(n, t) for n, t in source["weights_iterator"]
+                if not n.startswith("model.layers.3.")]
         load(engine, {"weights_iterator": kept})
 
     assert_probe_refuses(policy, backend, monkeypatch, load_all_but_the_last_layer)
@@ -575,19 +597,23 @@ def test_every_vllm_call_of_the_backend_exists_in_this_version(synced):
     assert isinstance(backend._thread.engine, LLMEngine) and vllm.LLMEngine is LLMEngine
     assert inspect.signature(LLMEngine.sleep).parameters.keys() >= {"level"}
     assert inspect.signature(LLMEngine.wake_up).parameters.keys() >= {"tags"}
-    for name in ("is_sleeping", "add_request", "abort_request", "step", "collective_rpc", "reset_prefix_cache",
+    for name in ("is_sleeping", "add_request", "abort_request", "step", "collective_rpc",
+                 "reset_prefix_cache",
                  "get_tokenizer"):
         assert callable(getattr(LLMEngine, name)), name
     topology = vllm_backend.Topology(rank=1, world_size=2, local_rank=1)
-    arguments = vllm_backend.engine_arguments(VLLMConfig(enable_sleep_mode=True), "/model", topology, dummy=True)
+    arguments = vllm_backend.engine_arguments(VLLMConfig(enable_sleep_mode=True), "/model",
+                                              topology, dummy=True)
     assert arguments.keys() <= {f.name for f in dataclasses.fields(vllm.EngineArgs)}
     assert arguments["distributed_executor_backend"] in {"external_launcher", "uni", "mp"}
     assert TokensInput.__annotations__.keys() >= {"type", "prompt_token_ids"}
     for worker in (Worker, CPUWorker):  # reload_weights(weights_iterator= | weights_path=)
         assert worker.reload_weights is Worker.reload_weights
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    assert inspect.signature(GPUModelRunner.reload_weights).parameters.keys() >= {"weights_iterator", "weights_path"}
-    params = backend.sampling_params(4, [3], SamplingParams(temperature=0.5, banned_token_ids=(2,)), seed=1)
+    assert inspect.signature(
+        GPUModelRunner.reload_weights).parameters.keys() >= {"weights_iterator", "weights_path"}
+    params = backend.sampling_params(4, [3], SamplingParams(temperature=0.5, banned_token_ids=(2,)),
+                                     seed=1)
     assert isinstance(params, vllm.SamplingParams) and params.logit_bias == {2: -100.0}
 
 

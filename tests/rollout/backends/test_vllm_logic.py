@@ -64,7 +64,8 @@ def test_every_process_builds_its_engine_on_its_own_gpu(engine, monkeypatch, tin
     backend = start(tiny_policy, seed=5)
     args, environment = engine.built["args"], engine.built["environment"]
     assert args["distributed_executor_backend"] == "external_launcher"
-    assert environment["LOCAL_RANK"] == "1" and environment["RANK"] == "1" and environment["WORLD_SIZE"] == "2"
+    assert environment[
+        "LOCAL_RANK"] == "1" and environment["RANK"] == "1" and environment["WORLD_SIZE"] == "2"
     assert args["seed"] == 6  # data-parallel engines draw different streams
     assert args["load_format"] == "dummy"  # the weights come in memory, with the first sync
     assert backend.sync_method == "tensors"
@@ -88,13 +89,18 @@ def test_a_lone_process_over_several_gpus_syncs_through_files():
 
 def test_the_engine_settings_reach_vllm():
     config = VLLMConfig(max_num_seqs=64, max_num_batched_tokens=4096, kv_cache_dtype="fp8",
-                        enable_prefix_caching=False, gpu_memory_utilization=0.3, tensor_parallel_size=2,
+                        enable_prefix_caching=False, gpu_memory_utilization=0.3,
+                        tensor_parallel_size=2,
                         enable_sleep_mode=True)
-    args = engine_arguments(config, "/model", Topology(rank=3, world_size=4, local_rank=1, tensor_parallel_size=2),
+    args = engine_arguments(config, "/model",
+                            Topology(rank=3, world_size=4, local_rank=1, tensor_parallel_size=2),
                             dummy=False)
-    assert {k: args[k] for k in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
-                                 "gpu_memory_utilization", "tensor_parallel_size", "enable_sleep_mode")} == {
-        "max_num_seqs": 64, "max_num_batched_tokens": 4096, "kv_cache_dtype": "fp8", "enable_prefix_caching": False,
+    assert {k: args[k] for k in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype",
+                                 "enable_prefix_caching",
+                                 "gpu_memory_utilization", "tensor_parallel_size",
+                                 "enable_sleep_mode")} == {
+        "max_num_seqs": 64, "max_num_batched_tokens": 4096, "kv_cache_dtype": "fp8",
+        "enable_prefix_caching": False,
         "gpu_memory_utilization": 0.3, "tensor_parallel_size": 2, "enable_sleep_mode": True}
     # Ranks 2 and 3 form the second tensor-parallel engine: one seed for both, so they draw alike.
     assert args["seed"] == 1 and args["load_format"] == "auto"
@@ -108,10 +114,12 @@ def test_a_sync_streams_the_weights_in_memory_cast_to_the_engine_dtype(engine, t
     engine.calls.clear(), engine.loaded.clear()
     backend.sync_weights(tiny_policy.model)
     entries = checkpoint_entries(tiny_policy.model)
-    assert [name for name, _ in engine.loaded] == [entry.name for entry in entries]  # state_dict order
+    # state_dict order
+    assert [name for name, _ in engine.loaded] == [entry.name for entry in entries]
     assert "lm_head.weight" in dict(engine.loaded)  # the tied head too, or vLLM keeps its old one
     assert {dtype for _, dtype in engine.loaded} == {torch.bfloat16}
-    assert engine.calls == [("collective_rpc", "reload_weights", ("weights_iterator",)), "reset_prefix_cache"]
+    assert engine.calls == [("collective_rpc", "reload_weights", ("weights_iterator",)),
+                            "reset_prefix_cache"]
     backend.close()
 
 
@@ -120,11 +128,13 @@ def test_the_explicit_files_fallback_writes_and_reads_a_folder(engine, tiny_poli
     assert backend.sync_method == "files"
     backend.sync_weights(tiny_policy.model)
     assert (backend._sync_dir / "model.safetensors").exists()
-    assert {name for name, _ in engine.loaded} >= {entry.name for entry in checkpoint_entries(tiny_policy.model)}
+    assert {name for name,
+            _ in engine.loaded} >= {entry.name for entry in checkpoint_entries(tiny_policy.model)}
     backend.close()
 
 
-def test_the_update_has_landed_before_the_engine_thread_reads_the_weights(engine, monkeypatch, tiny_policy):
+def test_the_update_has_landed_before_the_engine_thread_reads_the_weights(
+    engine, monkeypatch, tiny_policy):
     """The engine thread reads the parameters on its own CUDA streams: the trainer's queued
     kernels must finish first (verl synchronises before handing weights over)."""
     backend = start(tiny_policy)
@@ -133,7 +143,8 @@ def test_the_update_has_landed_before_the_engine_thread_reads_the_weights(engine
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: engine.calls.append("synchronize"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: engine.calls.append("empty_cache"))
     backend.sync_weights(tiny_policy.model)
-    assert engine.calls[:2] == ["synchronize", ("collective_rpc", "reload_weights", ("weights_iterator",))]
+    assert engine.calls[:2] == ["synchronize",
+                                ("collective_rpc", "reload_weights", ("weights_iterator",))]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     backend.close()
 
@@ -145,11 +156,14 @@ def test_a_sleeping_engine_wakes_its_weights_before_the_load_and_its_kv_cache_af
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: engine.calls.append("empty_cache"))
     load_weights(engine, {"weights_iterator": iter(())})
-    assert engine.calls == ["empty_cache", ("wake_up", ("weights",)), ("collective_rpc", "reload_weights",
-                            ("weights_iterator",)), "empty_cache", ("wake_up", ("kv_cache",)), "reset_prefix_cache"]
+    assert engine.calls == ["empty_cache", ("wake_up", ("weights",)),
+                            ("collective_rpc", "reload_weights",
+                            ("weights_iterator",)), "empty_cache", ("wake_up", ("kv_cache",)),
+                            "reset_prefix_cache"]
 
 
-def test_sleep_drops_the_weights_at_level_2_and_generation_waits_for_the_sync(engine, monkeypatch, tiny_policy):
+def test_sleep_drops_the_weights_at_level_2_and_generation_waits_for_the_sync(
+    engine, monkeypatch, tiny_policy):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -157,9 +171,11 @@ def test_sleep_drops_the_weights_at_level_2_and_generation_waits_for_the_sync(en
     backend.sleep()
     assert ("sleep", 2) in engine.calls
     with pytest.raises(WeightSyncError, match="slept at level 2"):
-        asyncio.run(backend.generate([1, 2], max_tokens=2, stop_token_ids=[], sampling=SamplingParams(), seed=0))
+        asyncio.run(backend.generate([1, 2], max_tokens=2, stop_token_ids=[],
+                                     sampling=SamplingParams(), seed=0))
     backend.sync_weights(tiny_policy.model)  # wakes it with the new weights
-    completion = asyncio.run(backend.generate([1, 2], max_tokens=2, stop_token_ids=[], sampling=SamplingParams(), seed=0))
+    completion = asyncio.run(backend.generate([1, 2], max_tokens=2, stop_token_ids=[],
+                                              sampling=SamplingParams(), seed=0))
     assert completion.token_ids == [7]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     backend.close()

@@ -38,7 +38,8 @@ def request(prompt: list[int]) -> tuple[Request, concurrent.futures.Future]:
 
 
 def test_a_follower_replays_every_call_of_the_leaders_engine():
-    leader_engine, follower_engine = fake_vllm.Engine(steps_per_request=3), fake_vllm.Engine(steps_per_request=3)
+    leader_engine, follower_engine = fake_vllm.Engine(
+        steps_per_request=3), fake_vllm.Engine(steps_per_request=3)
     leader = EngineThread(lambda: leader_engine, spare_group=False)
     follower = EngineThread(lambda: follower_engine, spare_group=False)
     lockstep = ChannelLockstep()
@@ -52,7 +53,8 @@ def test_a_follower_replays_every_call_of_the_leaders_engine():
     aborted, _ = request([9])
     leader.submit([aborted])
     leader.abort(aborted)
-    assert all(done.result(timeout=30).token_ids == [7] for _, done in first) and late_done.result(timeout=30)
+    assert all(done.result(timeout=30).token_ids == [7] for _,
+               done in first) and late_done.result(timeout=30)
     leader.lead(None)  # the rollout is over: the follower stops replaying
     following.join(timeout=30)
     assert not following.is_alive()

@@ -22,7 +22,8 @@ from selfcest.rollout.backends.weights import (
 
 def adapted(policy: ClonePolicy, trainable_tokens: bool):
     """LoRA (and, if asked, the protocol tokens' rows) on a copy, moved off their zero start."""
-    tokens = policy.tokenizer.convert_tokens_to_ids(list(policy.protocol.required_tokens)) if trainable_tokens else None
+    tokens = (policy.tokenizer.convert_tokens_to_ids(list(policy.protocol.required_tokens))
+              if trainable_tokens else None)
     model = apply_lora(copy.deepcopy(policy.model), {"r": 4, "alpha": 8}, tokens)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -33,7 +34,8 @@ def adapted(policy: ClonePolicy, trainable_tokens: bool):
 
 
 @pytest.mark.parametrize("trainable_tokens", [False, True], ids=["lora", "lora+protocol_tokens"])
-def test_peft_layers_are_merged_into_the_checkpoint_save_pretrained_writes(tiny_policy, tmp_path, trainable_tokens):
+def test_peft_layers_are_merged_into_the_checkpoint_save_pretrained_writes(
+    tiny_policy, tmp_path, trainable_tokens):
     """What the engine receives is what a merged save holds, name for name and bit for bit:
     peft's trainable tokens (apply_lora trains the protocol tokens' rows) used to reach the
     engine as their own tensors, which its layout check refused at the first sync."""
@@ -74,7 +76,8 @@ def test_streaming_reads_one_tensor_at_a_time_and_a_tied_one_once(tiny_policy):
     name, tensor = next(weights)
     assert reads == [name] and tensor.dtype == torch.bfloat16  # nothing read ahead
     rest = list(weights)
-    assert len(rest) + 1 == len(entries) and len(reads) == len(entries) - 1  # the tied head is not read again
+    # the tied head is not read again
+    assert len(rest) + 1 == len(entries) and len(reads) == len(entries) - 1
 
 
 def test_the_stamp_changes_with_every_write_to_the_weights(tiny_policy):

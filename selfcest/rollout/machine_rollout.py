@@ -1,27 +1,17 @@
-"""One rollout engine per node, serving every training process on it.
+"""One rollout engine per machine, serving every training process on it ("node" below and in
+``rollout.engine_per_node`` is a machine of the cluster, never a tree's node).
 
 With ``rollout.engine_per_node``, the first process of each node (its leader) expands the
 trees of all the node's prompts; every tree is then sent to the process that owns its
 prompt, which scores it and trains on it as usual.
 
-With the hf backend only the leader builds an engine; the other processes (`FollowerBackend`)
-wait while it rolls out. With vLLM the engine is one tensor-parallel engine over the node's
-processes (``rollout.vllm.tensor_parallel_size`` = processes per node), colocated with the
-trainers, in place of one engine per GPU that must each hold the whole model: every process
-holds its shard and loads its weights in memory, and while the leader drives the rollout the
-others replay its engine's steps (the backend's ``follow``, inside ``leading`` on the
-leader). Either way the followers take the leader's weight version after every sync, so
-their stale-sample checks compare against the weights the trees were really sampled under.
-
 Ownership is the same as without a shared engine: prompt ``i`` of a step belongs to
-process ``i % world_size``, with its whole group of trees. The leader expands the node's
-prompts in the step's order, so on one node its trees are the trees one process would
-sample for the whole step with the same seed.
+process ``i % world_size``, with its whole group of trees, and on one node the leader's trees
+are those one process would sample for the whole step with the same seed.
 
-Simplifications, stated: processes are placed on nodes in contiguous blocks of equal size
-(what ``torchrun`` and ``accelerate launch`` do); the leader's process works while the
-others wait (their GPUs run the engine's tensor-parallel shards); counterfactual credit is
-not supported with a shared engine (its re-runs would need an engine in every process).
+Simplifications, stated: processes sit on nodes in contiguous blocks of equal size (what
+``torchrun`` and ``accelerate launch`` do); counterfactual credit is not supported with a
+shared engine (its re-runs would need an engine in every process).
 """
 
 from __future__ import annotations
@@ -73,7 +63,7 @@ class Placement:
         return prompt_index % self.world_size
 
 
-def rollout_on_node(
+def rollout_on_machine(
     placement: Placement,
     tasks: Sequence[Task],
     samples_per_task: int,
@@ -87,6 +77,13 @@ def rollout_on_node(
     `RolloutEngine.rollout` does), within ``backend.leading()`` where it has one; other
     processes never call it and run ``backend.follow()`` instead, where it has one.
     """
+    # With the hf backend only the leader builds an engine; the others (`FollowerBackend`) wait
+    # while it rolls out. With vLLM the engine is one tensor-parallel engine over the node's
+    # processes (rollout.vllm.tensor_parallel_size = processes per node), colocated with the
+    # trainers instead of one whole model per GPU: every process holds its shard and loads its
+    # weights in memory, and while the leader drives the rollout (inside ``leading``) the
+    # others replay its engine's steps (``follow``). The leader expands the node's prompts in
+    # the step's order, so the trees are those one process would sample with the same seed.
     share: list[list[CloneTree]] | None = None
     if placement.is_leader:
         on_node = [i for i in range(len(tasks)) if placement.on_my_node(placement.owner(i))]
@@ -112,7 +109,8 @@ def rollout_on_node(
 class FollowerBackend:
     """The backend of a process whose rollouts its node's leader serves: no engine.
 
-    ``weight_version`` is the leader's, set by the trainer after every sync."""
+    ``weight_version`` is the leader's, set by the trainer after every sync, so this process's
+    stale-sample checks compare against the weights its trees were really sampled under."""
 
     def __init__(self, weight_version: int = 0) -> None:
         self.weight_version = weight_version

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from selfcest.configure import ConfigError
-from selfcest.rollout.node_rollout import FollowerBackend, Placement, rollout_on_node
+from selfcest.rollout.machine_rollout import FollowerBackend, Placement, rollout_on_machine
 from selfcest.task import Task
 from selfcest.train.config import TrainConfig, validate
 from selfcest.tree import CloneTree
@@ -33,7 +33,7 @@ def test_alone_the_leader_rolls_out_every_prompt_in_order():
         seen.append([t.id for t in mine])
         return [CloneTree(t.id, i, sample) for i, t in enumerate(mine) for sample in range(2)]
 
-    trees = rollout_on_node(Placement.of(0, 1), tasks, 2, rollout)
+    trees = rollout_on_machine(Placement.of(0, 1), tasks, 2, rollout)
     assert seen == [["t0", "t1", "t2"]]
     assert [t.task_id for t in trees] == ["t0", "t0", "t1", "t1", "t2", "t2"]
 
