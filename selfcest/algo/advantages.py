@@ -1,45 +1,10 @@
 """Advantages and credit: from one global reward per tree to one advantage per node.
 
-`compute_advantages(trees, config)` runs these stages, in this order:
-
-1. **Tree gates.** A tree whose root finished with ``"error"`` is dropped
-   (``drop_error_trees``): its reward scores the infrastructure (an overlong prompt, a failed
-   backend call), not the policy. Optionally, a tree in which any node finished with
-   ``"budget"`` is dropped (``drop_truncated_trees``). A dropped tree leaves its group
-   *before* the group statistics are computed, so the trees that are trained on are centred
-   among themselves.
-2. **Groups.** A group is every remaining tree with the same ``task_index`` (all samples of
-   one prompt, GRPO). A group whose rewards are all equal carries no learning signal for the
-   global reward and is dropped when ``drop_zero_variance_groups`` (a one-tree group is such a
-   group).
-3. **Root advantage.** For tree i of group g, ``A_i = (R_i - mean_g R) / s_g`` with
-   ``s_g = std_g + eps`` (unbiased std, as the reference) when ``std_normalize``, else
-   ``s_g = 1``. A one-tree group gets ``A = 0``.
-4. **Credit.** The strategy (`selfcest.algo.credit.CREDIT`) gives every node of the tree an
-   advantage; the root always keeps ``A_i``. The clone terms of `sibling` and `counterfactual`
-   are reward differences between clones, not between trees, so they get a scale of their own
-   (see "Scales and bounds").
-5. **Malformed gate.** Clones listed in ``tree.info["malformed_nodes"]`` get advantage 0
-   (``zero_malformed_clones``): their output broke the format rule, so it is neither
-   reinforced when the tree succeeded nor pushed around when it failed.
-
-**Scales and bounds.** Without ``std_normalize`` every advantage is in reward units: a root
-advantage is a difference of tree rewards, a sibling term a difference of clone rewards, a
-counterfactual credit a difference of tree rewards; none exceeds the spread of the rewards
-it compares. With ``std_normalize`` the root advantage of a group is divided by the spread of
-that group's root rewards, and each clone term by the spread of the clone terms themselves:
-``c_g = rms_g + eps``, the root mean square of the raw clone terms of all clones in group g.
-Dividing a clone term by the root rewards' spread (as this module once did) mixed two
-unrelated scales: two trees whose rewards differ by a 0.001 token cost gave their clones
-advantages of ~1,400 whenever the clones' own rewards differed by 1. The root mean square
-(not the std) keeps the zero of a term: a clone the tree did not need keeps credit 0.
-A z-score is bounded by the group's size (``|A| <= sqrt(n)`` for n trees, or n clone terms),
-so, to bound every advantage by one constant whatever the group sizes and rewards, the final
-advantage of every node is clipped to ``[-max_abs_advantage, max_abs_advantage]`` when
-``std_normalize`` (``adv/clipped_frac`` reports how often that binds; it never binds on the root
-of a group of at most 26 trees). The constant: ``max_abs_advantage`` (default 5).
-
-Every gate reports what it removed in ``Advantages.metrics``.
+`compute_advantages(trees, config)` gates trees, groups them by prompt (GRPO), centres
+and scales each tree's reward into a root advantage, lets a credit strategy
+(`selfcest.algo.credit.CREDIT`) give every node an advantage, and zeroes malformed clones;
+its docstring lists the stages and how advantages are scaled and bounded. Every gate reports
+what it removed in ``Advantages.metrics``.
 """
 
 from __future__ import annotations
@@ -120,7 +85,49 @@ class Advantages:
 
 
 def compute_advantages(trees: Sequence[CloneTree], config: CreditConfig) -> Advantages:
-    """Group, gate and credit scored trees; see the module docstring for the stages."""
+    """Group, gate and credit scored trees.
+
+    It runs these stages, in this order:
+
+    1. **Tree gates.** A tree whose root finished with ``"error"`` is dropped
+       (``drop_error_trees``): its reward scores the infrastructure (an overlong prompt, a failed
+       backend call), not the policy. Optionally, a tree in which any node finished with
+       ``"budget"`` is dropped (``drop_truncated_trees``). A dropped tree leaves its group
+       *before* the group statistics are computed, so the trees that are trained on are centred
+       among themselves.
+    2. **Groups.** A group is every remaining tree with the same ``task_index`` (all samples of
+       one prompt, GRPO). A group whose rewards are all equal carries no learning signal for the
+       global reward and is dropped when ``drop_zero_variance_groups`` (a one-tree group is such a
+       group).
+    3. **Root advantage.** For tree i of group g, ``A_i = (R_i - mean_g R) / s_g`` with
+       ``s_g = std_g + eps`` (unbiased std, as the reference) when ``std_normalize``, else
+       ``s_g = 1``. A one-tree group gets ``A = 0``.
+    4. **Credit.** The strategy (`selfcest.algo.credit.CREDIT`) gives every node of the tree an
+       advantage; the root always keeps ``A_i``. The clone terms of `sibling` and `counterfactual`
+       are reward differences between clones, not between trees, so they get a scale of their own
+       (see "Scales and bounds").
+    5. **Malformed gate.** Clones listed in ``tree.info["malformed_nodes"]`` get advantage 0
+       (``zero_malformed_clones``): their output broke the format rule, so it is neither
+       reinforced when the tree succeeded nor pushed around when it failed.
+
+    **Scales and bounds.** Without ``std_normalize`` every advantage is in reward units: a root
+    advantage is a difference of tree rewards, a sibling term a difference of clone rewards, a
+    counterfactual credit a difference of tree rewards; none exceeds the spread of the rewards
+    it compares. With ``std_normalize`` the root advantage of a group is divided by the spread of
+    that group's root rewards, and each clone term by the spread of the clone terms themselves:
+    ``c_g = rms_g + eps``, the root mean square of the raw clone terms of all clones in group g.
+    Dividing a clone term by the root rewards' spread (as this module once did) mixed two
+    unrelated scales: two trees whose rewards differ by a 0.001 token cost gave their clones
+    advantages of ~1,400 whenever the clones' own rewards differed by 1. The root mean square
+    (not the std) keeps the zero of a term: a clone the tree did not need keeps credit 0.
+    A z-score is bounded by the group's size (``|A| <= sqrt(n)`` for n trees, or n clone terms),
+    so, to bound every advantage by one constant whatever the group sizes and rewards, the final
+    advantage of every node is clipped to ``[-max_abs_advantage, max_abs_advantage]`` when
+    ``std_normalize`` (``adv/clipped_frac`` reports how often that binds; it never binds on the root
+    of a group of at most 26 trees). The constant: ``max_abs_advantage`` (default 5).
+
+    Every gate reports what it removed in ``Advantages.metrics``.
+    """
     metrics: dict[str, float] = {
         "gate/trees": float(len(trees)),
         "gate/error_trees": 0.0,

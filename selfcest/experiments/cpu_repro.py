@@ -1,8 +1,8 @@
 """The CPU reproduction: a small model learns to delegate; does it beat its monolithic twin?
 
-The paper claims that a model trained end to end with clones (1) improves the
-accuracy-cost Pareto frontier over monolithic baselines at matched inference budget and
-(2) generalises out of distribution. This script tests both at laptop scale::
+The paper claims that a model trained end to end with clones (1) improves the accuracy-cost
+Pareto frontier over monolithic baselines at matched inference budget and (2) generalises out
+of distribution. This script tests both at laptop scale::
 
     python -m selfcest.experiments.cpu_repro                            # make run; ~10 min, 2 cores
     python -m selfcest.experiments.cpu_repro experiment=cpu_repro_quick   # the test-sized variant
@@ -11,31 +11,8 @@ accuracy-cost Pareto frontier over monolithic baselines at matched inference bud
     python -m selfcest.experiments.cpu_repro trainer.resume=true   # resume a stopped run
 
 A Hydra app like ``selfcest-train`` (``--help`` lists every key): the experiment is
-``configs/experiment/cpu_repro.yaml`` unless ``experiment=`` names another, its ``eval``
-section sets the evaluation, and extra arguments override anything. Steps, each timed,
-outputs under ``runs/<name>/``:
-
-1. warm start: SFT of a fresh model on teacher demonstrations of both styles (shared), and
-   how it delegates before RL (spawn calls that parse, roots that delegate, clone accuracy);
-2. arm A, clones: GRPO from the warm start; the root may spawn (keyed_sum: it sees the keys
-   only);
-3. arm B, monolithic: GRPO from the same warm start on the same tasks seen through the task
-   source's monolithic view (keyed_sum: the lists printed in the prompt), spawning disabled,
-   the same reward minus its clone terms, the same steps, prompts and trees per prompt;
-4. each arm's held-out reward against its own SFT start, sampled as in training (the
-   quantity RL optimises, on tasks it never saw); then the evaluation at matched
-   total-token budgets, in distribution and out of distribution: clones (A), monolithic
-   (B), self-consistency over k samples of B, and both styles of the warm start alone;
-5. ``report.md``: tables with confidence intervals, Pareto plots, training curves, the
-   frontier verdicts and example trees (text, and ``trace.html``).
-
-With ``trainer.resume=true`` the warm start saved in ``runs/<name>/sft`` is reused and each
-arm continues from its latest checkpoint (a finished arm trains no more), so a stopped run
-resumes, and a finished one can be measured again on other ``eval`` settings without
-training; the warm-start check, the held-out reward and the evaluation always run.
-
-Simplification: every node of both arms has the same per-node budgets (generation and
-context); the total per-tree budget is what the evaluation matches.
+``configs/experiment/cpu_repro.yaml`` unless ``experiment=`` names another, its ``eval`` section
+sets the evaluation, and extra arguments override anything. `run` lists its five steps.
 """
 
 from __future__ import annotations
@@ -131,6 +108,30 @@ def validation_score(config: TrainConfig) -> Callable[[ClonePolicy], float] | No
 
 def run(config: TrainConfig, log=say) -> dict:
     """All five steps; returns the timings and where everything was written.
+
+    Steps, each timed, outputs under ``runs/<name>/``:
+
+    1. warm start: SFT of a fresh model on teacher demonstrations of both styles (shared), and
+       how it delegates before RL (spawn calls that parse, roots that delegate, clone accuracy);
+    2. arm A, clones: GRPO from the warm start; the root may spawn (keyed_sum: it sees the keys
+       only);
+    3. arm B, monolithic: GRPO from the same warm start on the same tasks seen through the task
+       source's monolithic view (keyed_sum: the lists printed in the prompt), spawning disabled,
+       the same reward minus its clone terms, the same steps, prompts and trees per prompt;
+    4. each arm's held-out reward against its own SFT start, sampled as in training (the
+       quantity RL optimises, on tasks it never saw); then the evaluation at matched
+       total-token budgets, in distribution and out of distribution: clones (A), monolithic
+       (B), self-consistency over k samples of B, and both styles of the warm start alone;
+    5. ``report.md``: tables with confidence intervals, Pareto plots, training curves, the
+       frontier verdicts and example trees (text, and ``trace.html``).
+
+    With ``trainer.resume=true`` the warm start saved in ``runs/<name>/sft`` is reused and each
+    arm continues from its latest checkpoint (a finished arm trains no more), so a stopped run
+    resumes, and a finished one can be measured again on other ``eval`` settings without
+    training; the warm-start check, the held-out reward and the evaluation always run.
+
+    Simplification: every node of both arms has the same per-node budgets (generation and
+    context); the total per-tree budget is what the evaluation matches.
 
     ``warm_start.policy``, when set, is a policy folder from an earlier warm start
     (``runs/<name>/sft``) that both arms start from instead of running step 1 again.

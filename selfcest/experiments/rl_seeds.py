@@ -10,24 +10,8 @@ trained policy and the warm start on the same held-out tasks::
     python -m selfcest.experiments.rl_seeds experiment=smollm_chain_sum \\
         warm_start.policy=runs/smollm_seeds/sft trainer.output_dir=runs/smollm_seeds eval.seeds=2
 
-A Hydra app over the training config (``--help`` lists every key): the RL seeds are
-``trainer.seed`` and the ``eval.seeds - 1`` after it; the held-out tasks are
-``eval.tasks_per_split`` per split (``task.ood_params=null`` leaves out the out-of-distribution
-one), each sampled ``eval.reward_samples`` times at the training temperature, as
-`selfcest.experiments.common.held_out` does.
-
-Writes ``report.md`` and ``results.json`` under ``trainer.output_dir``: per seed and split
-the held-out reward and its paired difference to the warm start with a 95% bootstrap
-interval over tasks; per split the seed-averaged gain with its interval and the standard
-deviation of the seeds' mean rewards (how far RL alone moves the result).
-
-A stopped run resumes where it stopped: each finished seed leaves ``seed<k>/result.json`` and
-the warm start's measurement ``warm_start_heldout.json``, both with the config they were
-measured under; the same command (or one with more ``eval.seeds``) reuses every one whose
-config matches, and retrains the rest.
-
-Simplification: the warm start is shared, so the seeds vary the RL run, not the warm start;
-the warm start's held-out reward is sampled once (engine seed ``trainer.seed + 1``).
+A Hydra app over the training config (``--help`` lists every key); `run` says which
+settings it reads, what it writes and how a stopped run resumes.
 """
 
 from __future__ import annotations
@@ -80,7 +64,26 @@ def paired(after: list[float], before: list[float], resamples: int) -> list[floa
 
 def run(base: TrainConfig, log=say) -> dict:
     """Train and measure every seed from ``warm_start.policy``; returns the results written
-    to ``trainer.output_dir``."""
+    to ``trainer.output_dir``.
+
+    The RL seeds are ``trainer.seed`` and the ``eval.seeds - 1`` after it; the held-out tasks
+    are ``eval.tasks_per_split`` per split (``task.ood_params=null`` leaves out the
+    out-of-distribution one), each sampled ``eval.reward_samples`` times at the training
+    temperature, as `selfcest.experiments.common.held_out` does.
+
+    Writes ``report.md`` and ``results.json`` under ``trainer.output_dir``: per seed and split
+    the held-out reward and its paired difference to the warm start with a 95% bootstrap
+    interval over tasks; per split the seed-averaged gain with its interval and the standard
+    deviation of the seeds' mean rewards (how far RL alone moves the result).
+
+    A stopped run resumes where it stopped: each finished seed leaves ``seed<k>/result.json`` and
+    the warm start's measurement ``warm_start_heldout.json``, both with the config they were
+    measured under; the same command (or one with more ``eval.seeds``) reuses every one whose
+    config matches, and retrains the rest.
+
+    Simplification: the warm start is shared, so the seeds vary the RL run, not the warm start;
+    the warm start's held-out reward is sampled once (engine seed ``trainer.seed + 1``).
+    """
     if base.warm_start.policy is None:
         raise ConfigError("warm_start.policy is required: the warm start every seed starts from "
                           "(selfcest-sft writes one to <trainer.output_dir>/sft)")

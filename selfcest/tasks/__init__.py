@@ -1,25 +1,7 @@
 """Tasks: the typed record, generators, loaders, and a registry configs refer to by name.
 
-``load_tasks(name, **kwargs)`` returns a list of `Task`:
-
-========== =====================================================================
-name       arguments (defaults)
-========== =====================================================================
-keyed_sum  split ("train" | "test" | "ood"), seed (0), n_train (1000), n_test (200),
-           n_ood (200), train / ood (`KeyedSumConfig` or a mapping of its fields)
-arithmetic split, seed (0), n_train (900), n_test (100), n_ood (0), train / ood
-           (`ArithmeticConfig` or a mapping)
-jsonl      path: a file written by the ``scripts/prepare_*.py`` scripts, or one of your own
-           (docs/datasets.md)
-aime       path (CSV), split ("train" | "test"), test_fraction (0.1), seed (42)
-math_hard  root (folder with train/ and test/), split
-2wiki      path (one split file)
-musique    path (one split file)
-gym        dataset (a reasoning-gym name), size, seed (0), split ("train" | "test" | "ood":
-           seeds a million apart), any dataset config field
-mix        sources: a list, or a mapping of names, of {name, params, repeat (1)}: each
-           source's tasks repeated ``repeat`` times, ids prefixed by the position or name
-========== =====================================================================
+``load_tasks(name, **kwargs)`` returns a list of `Task`; its docstring tables the sources
+and their arguments.
 
 `check_params` checks a source's arguments against its loader's signature (unknown or
 missing arguments, types, paths that do not exist) before anything is generated or read.
@@ -127,7 +109,26 @@ def source_of(task: Task) -> TaskSource | None:
 
 
 def load_tasks(name: str, /, **kwargs: Any) -> list[Task]:
-    """The tasks of source ``name`` (see the table in this module's docstring).
+    """The tasks of source ``name``, a list of `Task`:
+
+    ========== =====================================================================
+    name       arguments (defaults)
+    ========== =====================================================================
+    keyed_sum  split ("train" | "test" | "ood"), seed (0), n_train (1000), n_test (200),
+               n_ood (200), train / ood (`KeyedSumConfig` or a mapping of its fields)
+    arithmetic split, seed (0), n_train (900), n_test (100), n_ood (0), train / ood
+               (`ArithmeticConfig` or a mapping)
+    jsonl      path: a file written by the ``scripts/prepare_*.py`` scripts, or one of your own
+               (docs/datasets.md)
+    aime       path (CSV), split ("train" | "test"), test_fraction (0.1), seed (42)
+    math_hard  root (folder with train/ and test/), split
+    2wiki      path (one split file)
+    musique    path (one split file)
+    gym        dataset (a reasoning-gym name), size, seed (0), split ("train" | "test" | "ood":
+               seeds a million apart), any dataset config field
+    mix        sources: a list, or a mapping of names, of {name, params, repeat (1)}: each
+               source's tasks repeated ``repeat`` times, ids prefixed by the position or name
+    ========== =====================================================================
 
     Unknown names and bad arguments raise ValueError before anything is generated or read
     (`check_params`).

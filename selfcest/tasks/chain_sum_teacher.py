@@ -8,40 +8,8 @@ as SmolLM2-135M-Instruct or ``ClonePolicy.build_tiny(protocol="tool")`` render t
 `selfcest.tasks.keyed_sum_teacher.KeyedSumTeacher` it maps a node's prompt text to its next
 turn; a ``warm_start`` config section names it ``teacher: chain_sum`` (`selfcest.tasks.TEACHERS`).
 
-A root whose prompt offers the ``spawn_clone`` tool and that sees an expression of at least
-``min_delegate_terms`` terms delegates with probability ``delegate``: it cuts the terms into
-2 to ``max_pieces`` contiguous pieces of near-equal length (the count drawn uniformly, at
-most one piece per term) and spawns one clone per piece, each with a self-contained
-objective. A piece is copied as written, with the operator in front of it folded into its
-first number, so the root's answers simply add up::
-
-    <tool_call>
-    {"name": "spawn_clone", "arguments": {"objectives": ["Compute 15 - 43", "Compute -75 + 8"]}}
-    </tool_call>
-    ... the clones answer -28 and -67; the root resumes after the tool response:
-    -28 - 67 = -95
-    Answer: -95<|im_end|>
-
-Otherwise (and always in a clone) the node solves its expression directly with a short
-running computation, one operation per line::
-
-    15 - 43 = -28
-    -28 - 75 = -103
-    -103 + 8 = -95
-    Answer: -95<|im_end|>
-
-With probability ``repair`` a delegating root's first call is malformed instead, in one of
-the ways SmolLM2-135M was seen to fail (`MALFORMED`: an empty call, the tool named
-``tool_call``, the JSON cut short); the engine answers it with an error notice, and the root
-then writes the correct call. Such a demonstration shows a model how to recover from its
-own mistake; the warm start never trains on the malformed call itself
-(`selfcest.train.sft.sft_samples` masks every turn the engine rejected), and the repaired
-call is only admitted where ``spawn_rounds`` allows a second call.
-
-Every turn that ends a node's work ends with ``end`` (the chat template's end-of-turn text;
-``<|im_end|>`` for SmolLM2 and the tiny models). A prompt the teacher cannot read (no chain
-sum in its first user message, clone answers that are not integers) raises ValueError, which
-fails that node and so drops its tree from the demonstrations.
+The turns it writes (delegate, solve, repair a malformed call) are described in
+`ChainSumTeacher`'s docstring.
 """
 
 from __future__ import annotations
@@ -119,7 +87,43 @@ def pieces(terms: Sequence[int], count: int) -> list[list[int]]:
 
 @dataclass
 class ChainSumTeacher:
-    """Correct chain_sum demonstrations in the tool-call protocol (see the module docstring)."""
+    """Correct chain_sum demonstrations in the tool-call protocol.
+
+    A root whose prompt offers the ``spawn_clone`` tool and that sees an expression of at least
+    ``min_delegate_terms`` terms delegates with probability ``delegate``: it cuts the terms into
+    2 to ``max_pieces`` contiguous pieces of near-equal length (the count drawn uniformly, at
+    most one piece per term) and spawns one clone per piece, each with a self-contained
+    objective. A piece is copied as written, with the operator in front of it folded into its
+    first number, so the root's answers simply add up::
+
+        <tool_call>
+        {"name": "spawn_clone", "arguments": {"objectives": ["Compute 15 - 43", "Compute -75 + 8"]}}
+        </tool_call>
+        ... the clones answer -28 and -67; the root resumes after the tool response:
+        -28 - 67 = -95
+        Answer: -95<|im_end|>
+
+    Otherwise (and always in a clone) the node solves its expression directly with a short
+    running computation, one operation per line::
+
+        15 - 43 = -28
+        -28 - 75 = -103
+        -103 + 8 = -95
+        Answer: -95<|im_end|>
+
+    With probability ``repair`` a delegating root's first call is malformed instead, in one of
+    the ways SmolLM2-135M was seen to fail (`MALFORMED`: an empty call, the tool named
+    ``tool_call``, the JSON cut short); the engine answers it with an error notice, and the root
+    then writes the correct call. Such a demonstration shows a model how to recover from its
+    own mistake; the warm start never trains on the malformed call itself
+    (`selfcest.train.sft.sft_samples` masks every turn the engine rejected), and the repaired
+    call is only admitted where ``spawn_rounds`` allows a second call.
+
+    Every turn that ends a node's work ends with ``end`` (the chat template's end-of-turn text;
+    ``<|im_end|>`` for SmolLM2 and the tiny models). A prompt the teacher cannot read (no chain
+    sum in its first user message, clone answers that are not integers) raises ValueError, which
+    fails that node and so drops its tree from the demonstrations.
+    """
 
     # Probability that a root whose expression has at least `min_delegate_terms` terms
     # delegates pieces of it to clones instead of solving it directly.
