@@ -10,23 +10,8 @@ only::
     - Polish-Russian War (film)
 
 and the paragraphs live in `Task.context` (title -> text), reaching a clone only when its
-parent hands it a key. Paragraphs sharing a title are concatenated (in file order) under that
-title, so no text is lost and every key is unique. Answer aliases go to
-``metadata["aliases"]`` (a list, empty for 2Wiki), where the QA reward finds them.
-
-Formats (one file per split; the user downloads them):
-
-- 2WikiMultihopQA: parquet, JSONL or a JSON array of records with ``_id`` (or ``id``),
-  ``question``, ``answer``, ``type``, ``context``, ``supporting_facts`` and ``evidences``.
-  ``context``, ``supporting_facts`` and ``evidences`` may be JSON strings (the parquet
-  release) or already decoded; each context entry is ``[title, [sentence, ...]]`` and the
-  sentences are joined with spaces. Its test split has no answers: those rows are malformed.
-- MuSiQue (``musique_ans_v1.0_{train,dev}.jsonl``): JSONL records with ``id``, ``question``,
-  ``answer``, ``answer_aliases`` and ``paragraphs`` of ``{title, paragraph_text,
-  is_supporting}``, plus ``answerable`` and ``question_decomposition``.
-
-Bad rows raise `MalformedRowError` naming the file and row, or are skipped and recorded when
-the caller passes a ``skipped`` list (see `selfcest.tasks.io`).
+parent hands it a key. `load_2wiki` and `load_musique` read one split file each, which the
+user downloads (the formats: their docstrings).
 """
 
 from __future__ import annotations
@@ -55,7 +40,11 @@ def multihop_prompt(question: str, keys: Iterable[str]) -> str:
 
 
 def _merge(paragraphs: Iterable[tuple[str, str]]) -> dict[str, str]:
-    """title -> text, concatenating texts of repeated titles (insertion order kept)."""
+    """title -> text, concatenating texts of repeated titles (insertion order kept).
+
+    Paragraphs sharing a title are concatenated (in file order) under that title, so no text is lost
+    and every key is unique.
+    """
     context: dict[str, str] = {}
     for title, text in paragraphs:
         context[title] = f"{context[title]} {text}" if title in context else text
@@ -144,7 +133,20 @@ def _parse_2wiki(record: dict) -> Task:
 
 
 def load_2wiki(path: str | Path, skipped: list[str] | None = None) -> list[Task]:
-    """One 2WikiMultihopQA split file (parquet, JSONL or JSON array) as tasks ``2wiki-{_id}``."""
+    """One 2WikiMultihopQA split file (parquet, JSONL or JSON array) as tasks ``2wiki-{_id}``.
+
+    Format: parquet, JSONL or a JSON array of records with ``_id`` (or ``id``),
+    ``question``, ``answer``, ``type``, ``context``, ``supporting_facts`` and ``evidences``.
+    ``context``, ``supporting_facts`` and ``evidences`` may be JSON strings (the parquet release) or
+    already decoded; each context entry is ``[title, [sentence, ...]]`` and the sentences are joined
+    with spaces. Its test split has no answers: those rows are malformed.
+
+    Answer aliases go to ``metadata["aliases"]`` (a list, empty for 2Wiki), where the QA reward
+    finds them.
+
+    Bad rows raise `MalformedRowError` naming the file and row, or are skipped and recorded when the
+    caller passes a ``skipped`` list (see `selfcest.tasks.io`).
+    """
     return _load(path, _parse_2wiki, skipped)
 
 
@@ -188,5 +190,16 @@ def _parse_musique(record: dict) -> Task:
 
 
 def load_musique(path: str | Path, skipped: list[str] | None = None) -> list[Task]:
-    """One MuSiQue split file (JSONL) as tasks ``musique-{id}``."""
+    """One MuSiQue split file (JSONL) as tasks ``musique-{id}``.
+
+    Format: MuSiQue (``musique_ans_v1.0_{train,dev}.jsonl``): JSONL records with ``id``,
+    ``question``, ``answer``, ``answer_aliases`` and ``paragraphs`` of ``{title, paragraph_text,
+    is_supporting}``, plus ``answerable`` and ``question_decomposition``.
+
+    Answer aliases go to ``metadata["aliases"]`` (a list, empty for 2Wiki), where the QA reward
+    finds them.
+
+    Bad rows raise `MalformedRowError` naming the file and row, or are skipped and recorded when the
+    caller passes a ``skipped`` list (see `selfcest.tasks.io`).
+    """
     return _load(path, _parse_musique, skipped)

