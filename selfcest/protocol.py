@@ -1,19 +1,10 @@
 """The spawn/return grammar between a model and the rollout engine.
 
-Two spawn protocols share one interface and produce the same trees:
-
-- `TokenProtocol`: dedicated special tokens, for models that learn the protocol by SFT.
-  The model writes ``<spawn>objective<sep>objective</spawn>``; the backend stops on the
-  single ``</spawn>`` token; the engine injects ``<return>answer<sep>answer</return>`` and the
-  model continues. ``@KEY`` in an objective hands the task context under KEY to that clone;
-  ``~N`` at the end of an objective asks for a generation budget of N tokens.
-- `ToolCallProtocol`: Hermes-style ``<tool_call>{"name": "spawn_clone", "arguments": ...}
-  </tool_call>`` rendered through the chat template's tool support (with a fallback for
-  templates without it); answers come back as a tool message. This is what the paper's
-  code uses with pretrained instruct models.
-
-`PlainProtocol` has no spawn grammar at all: the task as a chat turn, no added token, no node
-ever spawns. It is flat generation, for runs without clones (standard GRPO).
+Two spawn protocols share one interface and produce the same trees: `TokenProtocol` (dedicated
+special tokens, for models that learn the protocol by SFT) and `ToolCallProtocol` (Hermes-style
+tool calls through the chat template, as the paper's code uses with pretrained instruct models);
+their docstrings give the grammar. `PlainProtocol` has no spawn grammar at all: flat generation,
+for runs without clones (standard GRPO).
 
 Parsing model output is total: any text gives spawn requests or a `ProtocolError` with a
 reason the model is shown. Nothing is evaluated, nothing raises, nothing is dropped silently.
@@ -260,7 +251,13 @@ class Protocol(ABC):
 
 
 class TokenProtocol(Protocol):
-    """Spawn calls written with dedicated special tokens (for SFT-trained models)."""
+    """Spawn calls written with dedicated special tokens (for SFT-trained models).
+
+    The model writes ``<spawn>objective<sep>objective</spawn>``; the backend stops on the single
+    ``</spawn>`` token; the engine injects ``<return>answer<sep>answer</return>`` and the model
+    continues. ``@KEY`` in an objective hands the task context under KEY to that clone; ``~N``
+    at the end of an objective asks for a generation budget of N tokens.
+    """
 
     SPAWN, SEP, END, RETURN, RETURN_END = "<spawn>", "<sep>", "</spawn>", "<return>", "</return>"
     name = "token"
@@ -350,7 +347,13 @@ class TokenProtocol(Protocol):
 
 
 class ToolCallProtocol(Protocol):
-    """Hermes-style ``<tool_call>`` JSON calling a ``spawn_clone`` tool (instruct models)."""
+    """Hermes-style ``<tool_call>`` JSON calling a ``spawn_clone`` tool (instruct models).
+
+    The protocol: Hermes-style ``<tool_call>{"name": "spawn_clone", "arguments": ...}
+    </tool_call>`` rendered through the chat template's tool support (with a fallback for
+    templates without it); answers come back as a tool message. This is what the paper's code
+    uses with pretrained instruct models.
+    """
 
     CALL, CALL_END = "<tool_call>", "</tool_call>"
     name = "tool"
@@ -582,6 +585,9 @@ class ToolCallProtocol(Protocol):
 
 class PlainProtocol(Protocol):
     """No spawn grammar: the root answers the task in a plain chat turn (for flat GRPO).
+
+    The task as a chat turn, no added token, no node ever spawns: flat generation, for runs
+    without clones (standard GRPO).
 
     It needs no token, so a model keeps the vocabulary it was loaded with; generation stops
     on EOS only, and no node spawns whatever the budget allows. What only a spawn grammar has

@@ -11,17 +11,8 @@ the training temperature (what RL optimises, on tasks it never saw)::
     selfcest-sft experiment=cpu_repro trainer.output_dir=runs/aggregation
     python -m selfcest.experiments.aggregation warm_start.policy=runs/aggregation/sft eval.seeds=3
 
-A Hydra app over the ``cpu_repro`` experiment (``--help`` lists every key): the RL seeds are
-``trainer.seed`` and the ``eval.seeds - 1`` after it, the held-out sets ``eval.tasks_per_split``
-tasks per split, ``eval.reward_samples`` trees per task.
-
-Writes ``runs/aggregation/report.md`` and ``results.json``: per aggregation and split, the
-held-out reward (mean over seeds of the per-task mean over samples), its paired difference
-to the warm start and to ``token_mean`` with 95% bootstrap intervals over tasks, and the
-share of the first step's gradient weight that went to trees with clones.
-
-Simplification: the warm start is shared, so the comparison is of RL alone; the seeds vary
-the RL run (task order, sampling), not the warm start.
+A Hydra app over the ``cpu_repro`` experiment (``--help`` lists every key); `run` says
+which settings it reads and what it writes.
 """
 
 from __future__ import annotations
@@ -61,7 +52,19 @@ def largest_trees_share(trees: list[CloneTree], mode: str) -> float:
 
 def run(base: TrainConfig, log=say) -> dict:
     """Train and measure every (aggregation, seed) from the warm start ``warm_start.policy``;
-    returns the results written to ``trainer.output_dir``."""
+    returns the results written to ``trainer.output_dir``.
+
+    The RL seeds are ``trainer.seed`` and the ``eval.seeds - 1`` after it, the held-out sets
+    ``eval.tasks_per_split`` tasks per split, ``eval.reward_samples`` trees per task.
+
+    Writes ``runs/aggregation/report.md`` and ``results.json``: per aggregation and split, the
+    held-out reward (mean over seeds of the per-task mean over samples), its paired difference to
+    the warm start and to ``token_mean`` with 95% bootstrap intervals over tasks, and the share of
+    the first step's gradient weight that went to trees with clones.
+
+    Simplification: the warm start is shared, so the comparison is of RL alone; the seeds vary the
+    RL run (task order, sampling), not the warm start.
+    """
     if base.warm_start.policy is None:
         raise ConfigError("warm_start.policy is required: the warm start every run starts from "
                           "(selfcest-sft experiment=cpu_repro writes one to <output_dir>/sft)")

@@ -1,10 +1,7 @@
 """The learned-controller experiment: does RL learn when and how widely to delegate?
 
-The root sees every list of a keyed_sum task in its prompt, so it may solve directly or hand
-keys to clones; past a size only delegation fits its context. The warm start is uninformed
-(its teacher delegates by a coin flip wherever both styles fit, to 2, 3 or 4 clones), so
-whatever preference the policy shows after RL, RL put it there. One run is one cost setting
-and one seed::
+The root sees every list of a keyed_sum task in its prompt, so it may solve directly or hand keys to
+clones; past a size only delegation fits its context. One run is one cost setting and one seed::
 
     python -m selfcest.experiments.controller                               # 0.002/processed token
     python -m selfcest.experiments.controller experiment=controller_free    # no cost
@@ -13,18 +10,7 @@ and one seed::
     python -m selfcest.experiments.controller trainer.seed=1 \
         warm_start.policy=runs/controller/seed1/sft
 
-`selfcest.experiments.controller_sweep` runs every setting and seed. Steps, each timed,
-outputs under ``trainer.output_dir``:
-
-1. warm start: SFT on the teacher's demonstrations, validated (`validation_score`), or the
-   folder ``warm_start.policy`` names;
-2. the forced-style table before RL: the warm start free, forced direct and forced delegate
-   on the held-out tasks (`selfcest.eval.decisions`), at the training temperature and budget;
-3. RL: GRPO under the config's reward (its cost: ``task.reward_params.cost``);
-4. the same table for the RL policy; ``results.json`` and ``report.md``.
-
-A policy's trees do not depend on the cost, so the warm start's are sampled once and kept
-beside it (``sft/decision_trees.jsonl``): every setting of a seed re-scores them.
+`selfcest.experiments.controller_sweep` runs every setting and seed; `run` lists the steps.
 """
 
 from __future__ import annotations
@@ -313,7 +299,23 @@ def record(summary: dict) -> dict:
 
 
 def run(config: TrainConfig, log=say) -> dict:
-    """All four steps; returns the summary."""
+    """All four steps; returns the summary.
+
+    The warm start is uninformed (its teacher delegates by a coin flip wherever both styles fit, to
+    2, 3 or 4 clones), so whatever preference the policy shows after RL, RL put it there.
+
+    Steps, each timed, outputs under ``trainer.output_dir``:
+
+    1. warm start: SFT on the teacher's demonstrations, validated (`validation_score`), or the
+       folder ``warm_start.policy`` names;
+    2. the forced-style table before RL: the warm start free, forced direct and forced delegate
+       on the held-out tasks (`selfcest.eval.decisions`), at the training temperature and budget;
+    3. RL: GRPO under the config's reward (its cost: ``task.reward_params.cost``);
+    4. the same table for the RL policy; ``results.json`` and ``report.md``.
+
+    A policy's trees do not depend on the cost, so the warm start's are sampled once and kept
+    beside it (``sft/decision_trees.jsonl``): every setting of a seed re-scores them.
+    """
     out = Path(config.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if config.trainer.cpu_threads:

@@ -6,16 +6,11 @@
     python -m selfcest.experiments.controller_sweep seeds=[0] 'overrides=[trainer.steps=8]'
     python -m selfcest.experiments.controller_sweep --config-name controller_main  # for make run
 
-Each run is `selfcest.experiments.controller.run` with ``experiment=<setting>
-trainer.seed=<seed> algo.credit.strategy=<credit>`` and the sweep's ``overrides``, written to
-``<output_dir>/<setting>-<credit>/seed<seed>``. The settings differ only in reward and
-credit, so the runs of one seed share one warm start (the first run of the seed trains it,
-the others load it). A run whose ``results.json`` exists is not run again, and a warm
-start already saved in the first run's folder is not trained again: an interrupted sweep
-resumes where it stopped. ``summary.md`` (with ``delegation_rate.png`` and
-``branching.png``) tabulates every run found, whether or not all of them are done yet, and
-``results_file`` lists each run's `selfcest.experiments.controller.record` (the README's
-figures are read from the committed ``docs/results/controller_sweep.json``).
+Each run is `selfcest.experiments.controller.run` with ``experiment=<setting> trainer.seed=<seed>
+algo.credit.strategy=<credit>`` and the sweep's ``overrides``, written to
+``<output_dir>/<setting>-<credit>/seed<seed>``. The settings differ only in reward and credit, so
+the runs of one seed share one warm start; `sweep` says how an interrupted sweep resumes and what it
+writes.
 """
 
 from __future__ import annotations
@@ -74,7 +69,16 @@ class SweepConfig:
 
 
 def sweep(config: SweepConfig, log=say) -> Path:
-    """Every run not done yet, seed by seed; then ``summary.md``."""
+    """Every run not done yet, seed by seed; then ``summary.md``.
+
+    The runs of one seed share one warm start: the first run of the seed trains it, the others load
+    it. A run whose ``results.json`` exists is not run again, and a warm start already saved in the
+    first run's folder is not trained again: an interrupted sweep resumes where it stopped.
+    ``summary.md`` (with ``delegation_rate.png`` and ``branching.png``) tabulates every run found,
+    whether or not all of them are done yet, and ``results_file`` lists each run's
+    `selfcest.experiments.controller.record` (the README's figures are read from the committed
+    ``docs/results/controller_sweep.json``).
+    """
     out = Path(config.output_dir)
     for seed in config.seeds:
         warm_start = None

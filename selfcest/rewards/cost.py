@@ -1,25 +1,8 @@
 """Cost shaping: penalties on the tokens and calls a clone tree spent.
 
 The shaped score is ``shaped = task_score - P`` with ``P = min(sum of enabled terms,
-max_penalty)``, then ``max(shaped, floor)`` when a floor is set. The terms (each off when its
-field is None or 0):
-
-- ``root_length``: ``pen(root generated tokens)`` with the saturating penalty
-  ``pen(t; T, ramp, M) = 0 if t <= T else M * (1 - exp(-(t - T) / ramp))``
-  (reference: T=512, ramp=256, M=0.3; 768 tokens cost 0.19, 1024 cost 0.26).
-- ``clone_length``: per spawn wave (one spawn call of any node; its clones run
-  concurrently), ``pen(longest clone's own generated tokens in that wave)``, combined over
-  waves by ``clone_waves``: ``"max"`` (the reference: only the worst wave counts, a crude
-  latency proxy that ignores how many waves ran) or ``"sum"`` (every wave adds its own).
-  Reference: T=512, ramp=512, M=0.2 (a 1024-token clone costs 0.126).
-- ``spawn_calls``: ``min(cap, per_call * max(0, calls - free_calls))`` for the root's spawn
-  calls (reference: ``max(0, 0.1 * calls - 0.2)``, uncapped).
-- ``per_token * generated tokens of the whole tree``, ``per_processed_token * processed
-  tokens`` (`TreeCosts.processed_tokens`: everything the tree held in context beyond the root's
-  prompt, so clones' prompts, generations and returns all count), ``per_critical_path_token *
-  critical-path tokens`` (`CloneTree.critical_path`: own tokens plus, per wave, the longest
-  child's critical path) and ``per_clone * number of clones``: direct linear costs, which the
-  reference lacks (it never charges for the number of clones).
+max_penalty)``, then ``max(shaped, floor)`` when a floor is set. `CostConfig` lists the
+terms.
 
 `cost_terms` returns each enabled term under ``cost/<name>``; `shape` combines them.
 """
@@ -74,7 +57,26 @@ _NESTED = {
 
 @dataclass(frozen=True)
 class CostConfig:
-    """Which cost terms shape the reward, and how much each weighs (see the module docstring).
+    """Which cost terms shape the reward, and how much each weighs.
+
+    The terms (each off when its field is None or 0):
+
+    - ``root_length``: ``pen(root generated tokens)`` with the saturating penalty
+      ``pen(t; T, ramp, M) = 0 if t <= T else M * (1 - exp(-(t - T) / ramp))``
+      (reference: T=512, ramp=256, M=0.3; 768 tokens cost 0.19, 1024 cost 0.26).
+    - ``clone_length``: per spawn wave (one spawn call of any node; its clones run
+      concurrently), ``pen(longest clone's own generated tokens in that wave)``, combined over
+      waves by ``clone_waves``: ``"max"`` (the reference: only the worst wave counts, a crude
+      latency proxy that ignores how many waves ran) or ``"sum"`` (every wave adds its own).
+      Reference: T=512, ramp=512, M=0.2 (a 1024-token clone costs 0.126).
+    - ``spawn_calls``: ``min(cap, per_call * max(0, calls - free_calls))`` for the root's spawn
+      calls (reference: ``max(0, 0.1 * calls - 0.2)``, uncapped).
+    - ``per_token * generated tokens of the whole tree``, ``per_processed_token * processed
+      tokens`` (`TreeCosts.processed_tokens`: everything the tree held in context beyond the root's
+      prompt, so clones' prompts, generations and returns all count), ``per_critical_path_token *
+      critical-path tokens`` (`CloneTree.critical_path`: own tokens plus, per wave, the longest
+      child's critical path) and ``per_clone * number of clones``: direct linear costs, which the
+      reference lacks (it never charges for the number of clones).
 
     The defaults are the reference's arithmetic and long-context shaping (both length
     penalties and the spawn-call penalty, no cap, no floor). Nested terms also accept a

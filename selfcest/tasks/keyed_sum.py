@@ -6,18 +6,8 @@ for the total of all numbers but, by default, sees only the keys::
     Add all numbers in L1 L2 L3 L4.
 
 and each key's numbers (``"3 5 2 7"``) live in `Task.context`, so they reach a clone only when
-the parent hands it the key (``@L2`` in the token protocol). A tiny model reads these prompts,
-so they are kept short and regular. With ``inline=True`` the numbers are printed in the
-prompt itself (for a monolithic baseline that reads everything in one context), in the same
-``[key] text`` layout clones get for an expanded key::
-
-    Add all numbers.
-    [L1] 3 5 2 7
-    [L2] 0 9 4 1
-
-The answer is the total as a decimal string; ``metadata["sums"]`` holds each key's sum (the
-answer a clone asked to sum one key should give). With ``modulus=10`` the prompt ends in
-``mod 10.`` and every answer (the total, each key's sum) is taken modulo 10.
+the parent hands it the key (``@L2`` in the token protocol). `keyed_sum_task` describes the
+inline layout, the answer and ``modulus``.
 
 `keyed_sum_splits` gives disjoint in-distribution train/test splits and an
 out-of-distribution split (by default two more keys: 6 instead of 4).
@@ -86,7 +76,21 @@ class KeyedSumConfig:
 
 
 def keyed_sum_task(lists: list[list[int]], config: KeyedSumConfig, task_id: str) -> Task:
-    """The task whose key ``L{i}`` holds ``lists[i-1]``; see the module docstring for formats."""
+    """The task whose key ``L{i}`` holds ``lists[i-1]``.
+
+    A tiny model reads these prompts, so they are kept short and regular. With ``inline=True``
+    the numbers are printed in the prompt itself (for a monolithic baseline that reads
+    everything in one context), in the same ``[key] text`` layout clones get for an expanded
+    key::
+
+        Add all numbers.
+        [L1] 3 5 2 7
+        [L2] 0 9 4 1
+
+    The answer is the total as a decimal string; ``metadata["sums"]`` holds each key's sum (the
+    answer a clone asked to sum one key should give). With ``modulus=10`` the prompt ends in
+    ``mod 10.`` and every answer (the total, each key's sum) is taken modulo 10.
+    """
     keys = config.keys()
     if len(lists) != len(keys):
         raise ValueError(f"expected {len(keys)} lists, got {len(lists)}")

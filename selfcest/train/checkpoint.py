@@ -10,17 +10,8 @@ A checkpoint is a folder ``checkpoints/step_000004/`` holding:
 - ``config.json``: the run's config, which a resume must match (`check_resume_config`);
 - ``manifest.json``, written last: every other file's size and SHA-256.
 
-Parameters and optimizer state are saved whole and keyed by parameter name (torch's
-full-state-dict API), whether the run was single-process, DDP or FSDP-sharded: rank 0
-writes them, and on resume rank 0 reads them and sends every process its part. So a
-checkpoint resumes under any world size and sharding (the RNG states of ranks that did not
-exist are drawn fresh).
-
-It is written to ``step_000004.tmp``, flushed to disk and renamed when complete, so a run
-killed or out of disk space while saving leaves the previous checkpoint as the latest one;
-a failed save raises `CheckpointError` naming the cause. On resume a checkpoint whose files
-do not match its manifest (truncated, altered) is set aside as ``step_000004.damaged`` and
-the one before it is used, with a warning; if none is left the resume is refused.
+`save_checkpoint` says how a checkpoint is saved whole and atomically, how it resumes under
+any world size, and how a damaged one is set aside on resume (`resolve_resume`).
 """
 
 from __future__ import annotations
@@ -120,7 +111,20 @@ def save_checkpoint(
     ``model`` is the training model (sharded or not), ``optimizer`` its optimizer, ``config``
     the run's config as JSON-ready data. A save that fails (a full disk, an unwritable
     folder) leaves no partial folder and raises `CheckpointError` naming the cause and the
-    checkpoint still there."""
+    checkpoint still there.
+
+    Parameters and optimizer state are saved whole and keyed by parameter name (torch's
+    full-state-dict API), whether the run was single-process, DDP or FSDP-sharded: rank 0
+    writes them, and on resume rank 0 reads them and sends every process its part. So a
+    checkpoint resumes under any world size and sharding (the RNG states of ranks that did not
+    exist are drawn fresh).
+
+    It is written to ``step_000004.tmp``, flushed to disk and renamed when complete, so a run
+    killed or out of disk space while saving leaves the previous checkpoint as the latest one;
+    a failed save raises `CheckpointError` naming the cause. On resume a checkpoint whose files
+    do not match its manifest (truncated, altered) is set aside as ``step_000004.damaged`` and
+    the one before it is used, with a warning; if none is left the resume is refused.
+    """
     folder = Path(root) / CHECKPOINT_DIR / f"step_{state.step:06d}"
     tmp = folder.with_name(folder.name + ".tmp")
     previous = list_checkpoints(root)
