@@ -1,10 +1,7 @@
 """Policy losses on token tensors, and exact aggregation of the loss over a whole step.
 
-Conventions. Every per-token tensor is ``[batch, T]`` and *input-aligned*: position t is
-about token ``input_ids[:, t]``, whose logprob comes from the logits at position t - 1
-(`selfcest.modeling.token_logprobs` does that shift, in one place). ``mask`` is 1 exactly on
-sampled tokens, the only ones trained on; position 0 is always a prompt token, so nothing is
-lost by it having no logprob.
+Per-token tensors are ``[batch, T]`` and input-aligned (the conventions: the comment above
+`per_token_loss`).
 
 The loss of one token is::
 
@@ -105,6 +102,11 @@ class LossConfig:
                 f"must be one of {', '.join(AGGREGATIONS)}; got {self.aggregation!r}")
 
 
+# Conventions. Every per-token tensor is ``[batch, T]`` and *input-aligned*: position t is about
+# token ``input_ids[:, t]``, whose logprob comes from the logits at position t - 1
+# (`selfcest.modeling.token_logprobs` does that shift, in one place). ``mask`` is 1 exactly on
+# sampled tokens, the only ones trained on; position 0 is always a prompt token, so nothing is
+# lost by it having no logprob.
 def per_token_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

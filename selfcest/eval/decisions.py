@@ -12,8 +12,7 @@ A policy is run on the same tasks in three modes (`Mode`):
 Every tree becomes one `Decision` row. `per_size` turns the rows into one `SizeRow` per task
 size (a task's size is its number of context keys): the delegation rate and branching of the
 free policy, each mode's reward, and which forced style is better, each with a 95% bootstrap
-interval over tasks. A tree's samples of one task are averaged first, so intervals count
-tasks, not trees.
+interval over tasks.
 """
 
 from __future__ import annotations
@@ -133,7 +132,10 @@ def paired_gap(a: dict[str, float], b: dict[str, float], resamples: int, seed: i
 
 
 def per_size(decisions: Sequence[Decision], resamples: int = 1000, seed: int = 0) -> list[SizeRow]:
-    """One `SizeRow` per size present, smallest first."""
+    """One `SizeRow` per size present, smallest first.
+
+    A tree's samples of one task are averaged first, so intervals count tasks, not trees.
+    """
     rows = []
     for size in sorted({d.size for d in decisions}):
         mine = [d for d in decisions if d.size == size]

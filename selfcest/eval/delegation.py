@@ -2,20 +2,8 @@
 root delegate, and do its clones answer what they were asked?
 
 Used after a warm start (`selfcest.experiments.cpu_repro`), where it says whether the model
-learned the protocol before RL starts. Every figure is a fraction with a 95% bootstrap
-interval. Roots are resampled one by one; calls and clones are resampled by tree, since the
-calls and clones of one tree are not independent (a root that writes a bad call and reads
-the error often retries it badly, and one tree can hold most of a split's failures):
-
-- ``parsed``: of the spawn calls the roots and clones wrote (a sampled turn that opened a
-  call with the protocol's open token), the share that closed and parsed;
-- ``delegated``: of the roots, the share that started at least one clone;
-- ``clone_accuracy``: of the clones that answered, the share whose answer equals the one
-  the teacher gives to the same clone prompt (the teacher plays the clone: a reference that
-  exists for any objective the teacher can read; an objective it cannot read counts as wrong,
-  one it would delegate again is not counted).
-
-A fraction with nothing to count (no call was written) is NaN, its count 0.
+learned the protocol before RL starts. Every figure is a fraction with a 95% bootstrap interval.
+`DelegationStats` defines each fraction and how it is resampled.
 """
 
 from __future__ import annotations
@@ -31,7 +19,22 @@ from selfcest.tree import CloneTree, Node
 
 @dataclass
 class DelegationStats:
-    """Fractions over calls, roots and clones, with how many of each were counted."""
+    """Fractions over calls, roots and clones, with how many of each were counted.
+
+    Roots are resampled one by one; calls and clones are resampled by tree, since the calls and
+    clones of one tree are not independent (a root that writes a bad call and reads the error
+    often retries it badly, and one tree can hold most of a split's failures):
+
+    - ``parsed``: of the spawn calls the roots and clones wrote (a sampled turn that opened a
+      call with the protocol's open token), the share that closed and parsed;
+    - ``delegated``: of the roots, the share that started at least one clone;
+    - ``clone_accuracy``: of the clones that answered, the share whose answer equals the one
+      the teacher gives to the same clone prompt (the teacher plays the clone: a reference that
+      exists for any objective the teacher can read; an objective it cannot read counts as wrong,
+      one it would delegate again is not counted).
+
+    A fraction with nothing to count (no call was written) is NaN, its count 0.
+    """
 
     parsed: Estimate
     delegated: Estimate

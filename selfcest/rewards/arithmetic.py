@@ -11,10 +11,7 @@ the reference's closeness bonus
 
     0.2 / log2(2 + |A - B| / sqrt(2 + |max(A, B)|))
 
-which lies in (0, 0.2). The reference writes ``sqrt(|2 + max(A, B)|)``, which divides by zero
-when max(A, B) = -2 (its exception path then gave 0); ``2 + |max|`` is never below 2 and
-equals the reference whenever max(A, B) >= 0. Computed in log space, so answers with
-thousands of digits cost no float overflow.
+which lies in (0, 0.2).
 """
 
 from __future__ import annotations
@@ -48,7 +45,13 @@ def last_integer(text: str) -> int | None:
 
 
 def closeness_credit(a: int, b: int, scale: float = 0.2) -> float:
-    """``scale / log2(2 + |a - b| / sqrt(2 + |max(a, b)|))`` for a != b (1.0 when equal)."""
+    """``scale / log2(2 + |a - b| / sqrt(2 + |max(a, b)|))`` for a != b (1.0 when equal).
+
+    The reference writes ``sqrt(|2 + max(A, B)|)``, which divides by zero when max(A, B) = -2
+    (its exception path then gave 0); ``2 + |max|`` is never below 2 and equals the reference
+    whenever max(A, B) >= 0. Computed in log space, so answers with thousands of digits cost no
+    float overflow.
+    """
     if a == b:
         return 1.0
     log_x = math.log2(abs(a - b)) - 0.5 * math.log2(2 + abs(max(a, b)))

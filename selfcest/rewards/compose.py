@@ -12,9 +12,6 @@
    (the reference math reward uses 0.4, the others 1.0), or, with ``clone_reward="own"``,
    ``clone_scale`` times the score of its own answer against what its task source says it
    should answer; ``malformed_clone_reward`` (0) when malformed.
-
-``info`` carries ``task_score``, the scorer's own components, each ``cost/<term>`` and
-``cost/total``.
 """
 
 from __future__ import annotations
@@ -110,5 +107,9 @@ def make_reward(
     clone_scale: float = 1.0,
     malformed_clone_reward: float = 0.0,
 ) -> ComposedReward:
-    """A `RewardFn`: ``task_scorer`` minus ``cost``, with the clone format rule (see module)."""
+    """A `RewardFn`: ``task_scorer`` minus ``cost``, with the clone format rule (see module).
+
+    ``info`` carries ``task_score``, the scorer's own components, each ``cost/<term>`` and
+    ``cost/total``.
+    """
     return ComposedReward(task_scorer, cost, format_tokens, clone_scale, malformed_clone_reward)

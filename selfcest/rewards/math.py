@@ -4,22 +4,8 @@ The answer is read from the root's **final turn only** (`final_turn_text`), neve
 earlier turns (which hold spawn calls and reasoning): of the last ``\\boxed{...}`` and the
 last ``Answer:`` line, whichever comes later; without either, the last non-empty line.
 
-Comparison (`math_score`):
-
-1. An integer reference (``"1,234"``, ``"80"``) and an answer written as a plain integer
-   (commas as thousands separators, optional ``$...$`` or a trailing period) are compared
-   as Python integers, in process.
-2. Everything else goes to math-verify (`math_verify.parse` / `verify`) in a worker process
-   (`MathVerifier`). The answer is read twice, as written and wrapped in ``\\boxed{}`` (so a
-   bare ``3\\sqrt2`` or ``\\dfrac{1}{2}`` is read as LaTeX); it is correct if either reading
-   verifies.
-
-Never hangs: answers over ``max_answer_chars`` characters are wrong without parsing; parsed
-values whose magnitude bound exceeds ``max_digits`` digits (``9^9^9^9``, ``(10^7)!``) are
-wrong without verifying; and any comparison that takes longer than ``timeout_s`` seconds is
-cut off by killing the worker (wrong, counted as ``math/timeout``). math-verify is always
-called with ``parsing_timeout=None`` and ``timeout_seconds=None``: its own timeouts rely on
-``signal.alarm`` and raise outside the main thread, so the worker's kill is the timeout.
+Comparison (`math_score`): integers in process, everything else by math-verify in a worker
+process; `MathScorer` gives the rules. It never hangs (`MathVerifier`).
 """
 
 from __future__ import annotations
@@ -77,6 +63,13 @@ class MathVerifier:
     Thread-safe (one comparison at a time; concurrent callers wait). The worker starts on the
     first comparison (about a second of imports, not counted in ``timeout_s``), is killed when a
     comparison times out or fails, and restarts on the next one; it is closed at exit.
+
+    Never hangs: answers over ``max_answer_chars`` characters are wrong without parsing; parsed
+    values whose magnitude bound exceeds ``max_digits`` digits (``9^9^9^9``, ``(10^7)!``) are
+    wrong without verifying; and any comparison that takes longer than ``timeout_s`` seconds is
+    cut off by killing the worker (wrong, counted as ``math/timeout``). math-verify is always
+    called with ``parsing_timeout=None`` and ``timeout_seconds=None``: its own timeouts rely on
+    ``signal.alarm`` and raise outside the main thread, so the worker's kill is the timeout.
     """
 
     def __init__(
@@ -146,6 +139,16 @@ class MathScorer:
     ``info`` reports the verdict as ``math/<verdict>`` = 1.0 (e.g. ``math/timeout``), so
     averaged over a batch it gives the rate of each outcome, and ``answer_missing`` (1.0 when
     the final turn holds no answer).
+
+    Comparison (`math_score`):
+
+    1. An integer reference (``"1,234"``, ``"80"``) and an answer written as a plain integer
+       (commas as thousands separators, optional ``$...$`` or a trailing period) are compared
+       as Python integers, in process.
+    2. Everything else goes to math-verify (`math_verify.parse` / `verify`) in a worker process
+       (`MathVerifier`). The answer is read twice, as written and wrapped in ``\\boxed{}`` (so a
+       bare ``3\\sqrt2`` or ``\\dfrac{1}{2}`` is read as LaTeX); it is correct if either reading
+       verifies.
     """
 
     verifier: MathVerifier | None = field(default=None, compare=False)  # None: shared one

@@ -1,22 +1,7 @@
 """Synthetic big-integer arithmetic, as the paper's generator (docs/reference.md §5.1) but seeded.
 
-One expression is drawn as follows (every number is a field of `ArithmeticConfig`):
-
-1. the number of operators k is uniform in ``[ops_min, ops_max]`` (so k + 1 operands);
-2. each operand has a digit count uniform in ``[digits_min, digits_max]`` and is uniform
-   among the numbers of that many digits (so its first digit is 1-9);
-3. each operator is ``+``, ``-`` or ``*`` with weights ``weight_add : weight_sub : weight_mul``;
-4. local parentheses: an operator ``+``/``-`` with a ``*`` on either side is a candidate for a
-   pair ``(a ± b)`` around its two operands; candidates are visited left to right, each
-   placed with probability ``paren_prob`` if it shares no operand with an earlier pair, at
-   most ``max_parens`` pairs;
-5. with probability ``wide_paren_prob``, one wide pair of parentheses spans a run of
-   ``wide_span_min``-``wide_span_max`` operands (fewer than all of them); only runs whose
-   operators mix ``*`` with ``+``/``-`` and that do not cut a local pair qualify, and one is
-   picked uniformly (none if no run qualifies);
-6. the expression is evaluated by walking its parsed AST (`evaluate_expression`, never
-   `eval`), and redrawn until ``|value|`` has at most ``max_result_digits`` digits (at most
-   ``attempts`` draws).
+One expression is drawn as `draw_expression` says (every number is a field of
+`ArithmeticConfig`).
 
 Written with ASCII operators, e.g. ``4821 * (373 - 90211) + 5510``. Prompt:
 ``Calculate the value of {expression}.``; answer: the integer as a string.
@@ -115,7 +100,25 @@ def _evaluate(node: ast.AST) -> int:
 
 
 def draw_expression(rng: random.Random, config: ArithmeticConfig) -> Expression:
-    """One expression within the result-size cap (see the module docstring for the steps)."""
+    """One expression within the result-size cap, drawn as follows (every number is a field of
+    `ArithmeticConfig`):
+
+    1. the number of operators k is uniform in ``[ops_min, ops_max]`` (so k + 1 operands);
+    2. each operand has a digit count uniform in ``[digits_min, digits_max]`` and is uniform
+       among the numbers of that many digits (so its first digit is 1-9);
+    3. each operator is ``+``, ``-`` or ``*`` with weights ``weight_add : weight_sub : weight_mul``;
+    4. local parentheses: an operator ``+``/``-`` with a ``*`` on either side is a candidate for a
+       pair ``(a ± b)`` around its two operands; candidates are visited left to right, each
+       placed with probability ``paren_prob`` if it shares no operand with an earlier pair, at
+       most ``max_parens`` pairs;
+    5. with probability ``wide_paren_prob``, one wide pair of parentheses spans a run of
+       ``wide_span_min``-``wide_span_max`` operands (fewer than all of them); only runs whose
+       operators mix ``*`` with ``+``/``-`` and that do not cut a local pair qualify, and one is
+       picked uniformly (none if no run qualifies);
+    6. the expression is evaluated by walking its parsed AST (`evaluate_expression`, never
+       `eval`), and redrawn until ``|value|`` has at most ``max_result_digits`` digits (at most
+       ``attempts`` draws).
+    """
     for _ in range(config.attempts):
         expression = _draw_once(rng, config)
         if len(str(abs(expression.value))) <= config.max_result_digits:

@@ -1,17 +1,8 @@
 """Math benchmarks from local files: AIME (CSV) and MATH-Hard (JSONL per category).
 
 Neither can be downloaded by selfcest; users fetch them and point the loaders (or
-``scripts/prepare_aime.py`` and ``scripts/prepare_math_hard.py``) at the files.
-
-- AIME: one CSV with the columns ``ID, Year, Problem Number, Question, Answer`` and an
-  optional ``Part`` (the 1983-2024 collection is distributed as
-  ``AIME_Dataset_1983_2024.csv``). The answer is an integer. Split as the reference: a random
-  90/10 train/test split with seed 42 (not by year).
-- MATH-Hard: a folder with ``train/`` and ``test/`` sub-folders holding one file per
-  category (``algebra.jsonl``, ...), each a JSON array or JSON lines of records with
-  ``problem`` and ``solution`` (plus ``level`` and ``type``). The answer is the content of
-  the last ``\\boxed{}`` or ``\\fbox{}`` of the solution (`last_boxed`). The native split is
-  kept.
+``scripts/prepare_aime.py`` and ``scripts/prepare_math_hard.py``) at the files. `load_aime` and
+`load_math_hard` give the formats.
 
 Bad rows raise `MalformedRowError` naming the file and row, or are skipped and recorded when
 the caller passes a ``skipped`` list (see `selfcest.tasks.io`).
@@ -73,7 +64,13 @@ def last_boxed(text: str) -> str | None:
 
 
 def load_aime(path: str | Path, skipped: list[str] | None = None) -> list[Task]:
-    """Every problem of an AIME CSV as a task with id ``aime-{ID}`` (see module docstring)."""
+    """Every problem of an AIME CSV as a task with id ``aime-{ID}``.
+
+    AIME: one CSV with the columns ``ID, Year, Problem Number, Question, Answer`` and an
+    optional ``Part`` (the 1983-2024 collection is distributed as
+    ``AIME_Dataset_1983_2024.csv``). The answer is an integer. Split as the reference: a random
+    90/10 train/test split with seed 42 (not by year).
+    """
     path = Path(path)
     tasks: list[Task] = []
     ids: set[str] = set()
@@ -132,7 +129,12 @@ def aime_splits(
 def load_math_hard(
     root: str | Path, split: str, skipped: list[str] | None = None
 ) -> list[Task]:
-    """Tasks of ``root/{split}/*.jsonl`` (files in name order; see module docstring).
+    """Tasks of ``root/{split}/*.jsonl`` (files in name order).
+
+    MATH-Hard: a folder with ``train/`` and ``test/`` sub-folders holding one file per category
+    (``algebra.jsonl``, ...), each a JSON array or JSON lines of records with ``problem`` and
+    ``solution`` (plus ``level`` and ``type``). The answer is the content of the last
+    ``\\boxed{}`` or ``\\fbox{}`` of the solution (`last_boxed`). The native split is kept.
 
     Ids are ``math_hard-{split}-{category}-{n}`` with the file stem as category and n the
     record's 1-based position in its file.

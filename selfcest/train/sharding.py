@@ -1,25 +1,12 @@
 """Sharded training (FSDP2, through accelerate): what the trainer does differently.
 
-Under FSDP every process holds a shard of each parameter, and every forward and backward of
-the training model is a collective: all processes must run the same number of them, in the
-same order. Rollouts cannot work that way: each process expands its own trees, for as many
-decoding steps as they take. So, when training is sharded:
-
-- with the hf backend, which decodes with a model of its own process, rollouts, proximal
-  logprobs and LoRA's reference logprobs use the *rollout model*, a full-weight copy of the
-  policy on every process, refreshed from the shards tensor by tensor after every update
-  (`refresh_copy`);
-- with vLLM, which holds its own copy, there is no rollout model: the weights are streamed
-  into the engine one whole tensor at a time (`selfcest.rollout.backends.weights`), and the
-  proximal and LoRA-reference passes run through the sharded model;
-- every optimizer step runs the same number of micro-batches on every process; a process
-  with fewer takes part with empty ones (`selfcest.train.trainer`), and so do the proximal
-  and reference passes where they run through sharded models;
-- the KL reference (without LoRA) is sharded like the model (`shard_frozen`).
-
-Simplifications, stated: the warm start trains a full copy on every process; LoRA is sharded
-only when the protocol added no token (`check_model`); DeepSpeed ZeRO-3 is not supported (its
-parameters are not DTensors, so neither the streaming nor the checkpoint functions apply).
+Under FSDP every process holds a shard of each parameter, and every forward and backward of the
+training model is a collective: all processes must run the same number of them, in the same
+order. Rollouts cannot work that way: each process expands its own trees, for as many decoding
+steps as they take. So, when training is sharded, hf rollouts use a full-weight copy of the
+policy on every process (`refresh_copy`), vLLM streams the weights into its engine, every
+process runs the same number of micro-batches per step, and the KL reference is sharded like the
+model (`shard_frozen`). `check_supported` spells out each of these and what is not supported.
 """
 
 from __future__ import annotations
@@ -33,7 +20,26 @@ from selfcest.configure import ConfigError
 
 
 def check_supported(accelerator: Accelerator) -> None:
-    """Raise `ConfigError` for an accelerate setup the trainer cannot run, before any compute."""
+    """Raise `ConfigError` for an accelerate setup the trainer cannot run, before any compute.
+
+    When training is sharded:
+
+    - with the hf backend, which decodes with a model of its own process, rollouts, proximal
+      logprobs and LoRA's reference logprobs use the *rollout model*, a full-weight copy of the
+      policy on every process, refreshed from the shards tensor by tensor after every update
+      (`refresh_copy`);
+    - with vLLM, which holds its own copy, there is no rollout model: the weights are streamed
+      into the engine one whole tensor at a time (`selfcest.rollout.backends.weights`), and the
+      proximal and LoRA-reference passes run through the sharded model;
+    - every optimizer step runs the same number of micro-batches on every process; a process
+      with fewer takes part with empty ones (`selfcest.train.trainer`), and so do the proximal
+      and reference passes where they run through sharded models;
+    - the KL reference (without LoRA) is sharded like the model (`shard_frozen`).
+
+    Simplifications, stated: the warm start trains a full copy on every process; LoRA is sharded
+    only when the protocol added no token (`check_model`); DeepSpeed ZeRO-3 is not supported (its
+    parameters are not DTensors, so neither the streaming nor the checkpoint functions apply).
+    """
     kind = accelerator.distributed_type
     if kind == DistributedType.DEEPSPEED:
         raise ConfigError(

@@ -11,10 +11,6 @@ An entry is used once per row that stored it (a node resumes once; rows with the
 tokens, such as the roots of one task sampled greedily, share one entry) and is dropped when
 the weights change, since its keys and values were computed by the old ones. Entries beyond
 the memory bound are evicted oldest first.
-
-Simplifications: lookup is a scan over the entries (a tree keeps at most a few dozen
-waiting nodes); only models whose cache is a stack of plain full-attention layers are
-supported (`HFBackend` checks, and turns the cache off for others).
 """
 
 from __future__ import annotations
@@ -43,7 +39,12 @@ class _Entry:
 
 
 class PrefixCache:
-    """Stored sequences and their per-layer keys and values, bounded by ``max_bytes``."""
+    """Stored sequences and their per-layer keys and values, bounded by ``max_bytes``.
+
+    Simplifications: lookup is a scan over the entries (a tree keeps at most a few dozen
+    waiting nodes); only models whose cache is a stack of plain full-attention layers are
+    supported (`HFBackend` checks, and turns the cache off for others).
+    """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
