@@ -202,7 +202,7 @@ def _gate_trees(trees: Sequence[CloneTree], config: CreditConfig, metrics: dict)
 def _root_advantages(
     members: list[int], rewards: dict[int, float], config: CreditConfig
 ) -> dict[int, float]:
-    """Stage 3: group-relative root advantages of one group (module docstring)."""
+    """Stage 3: group-relative root advantages of one group (`compute_advantages`)."""
     group_rewards = [rewards[i] for i in members]
     mean = math.fsum(group_rewards) / len(group_rewards)
     scale = 1.0
@@ -218,7 +218,7 @@ def _clone_terms(
     without clone terms).
 
     Raw terms are reward differences (`selfcest.algo.credit`); with ``std_normalize`` they
-    are divided by their own root mean square over the group plus eps (module docstring,
+    are divided by their own root mean square over the group plus eps (`compute_advantages`,
     "Scales and bounds").
     """
     clone_terms = CREDIT[config.strategy].clone_terms

@@ -106,8 +106,8 @@ def sibling_credit(
 ) -> dict[str, float]:
     """Root advantage plus a leave-one-out term among the clones of one spawn call.
 
-    ``A_c = A_root + t_c``, with ``t_c`` clone c's `sibling_differences` entry, scaled as the
-    module docstring says ("Scales and bounds"; 0 for a clone alone in its call). The first
+    ``A_c = A_root + t_c``, with ``t_c`` clone c's `sibling_differences` entry, scaled as
+    `compute_advantages` says ("Scales and bounds"; 0 for a clone alone in its call). The first
     term carries the global outcome to every clone (the tree did better or worse than its
     group); the second says whether this clone did better or worse than the clones started
     alongside it for the same parent, by the reward function's own measure. The terms of one
@@ -160,7 +160,7 @@ def counterfactual_credit(
     tree: CloneTree, root_advantage: float, terms: dict[str, float]
 ) -> dict[str, float]:
     """Difference reward: ``A_c = t_c``, clone c's `counterfactual_differences` entry, scaled
-    as the module docstring says ("Scales and bounds").
+    as `compute_advantages` says ("Scales and bounds").
 
     A clone whose answer the tree did not need gets 0; one the tree's success depended on
     gets the full reward difference, whatever the other trees of the group did. A clone

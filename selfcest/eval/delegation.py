@@ -60,7 +60,7 @@ def call_turns(node: Node, protocol: Protocol) -> tuple[int, int]:
 
 def delegation_stats(trees: Sequence[CloneTree], protocol: Protocol, teacher: Callable[[str], str],
                      resamples: int = 1000, seed: int = 0) -> DelegationStats:
-    """The three fractions of the module docstring over ``trees``."""
+    """The three fractions of `DelegationStats` over ``trees``."""
     calls: list[tuple[int, int]] = []  # per tree with calls: (calls that parsed, calls opened)
     clones: list[tuple[int, int]] = []  # per tree with counted clones: (right, counted)
     for tree in trees:

@@ -143,7 +143,7 @@ def spawn_waves(tree: CloneTree) -> list[list[str]]:
 
 
 def cost_terms(tree: CloneTree, config: CostConfig) -> dict[str, float]:
-    """Each enabled penalty term of ``tree``, keyed ``cost/<term>`` (module docstring)."""
+    """Each enabled penalty term of ``tree``, keyed ``cost/<term>`` (`CostConfig`)."""
     terms: dict[str, float] = {}
     if config.root_length is not None:
         terms["cost/root_length"] = config.root_length(tree.root.generated_tokens)
