@@ -18,8 +18,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from selfcest.experiments.controller import POLICIES
+
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results" / "controller_sweep.json"
-POLICIES = ("warm start", "RL")
 SHORT = {"direct": "D", "delegate": "G", "tie": "="}
 
 
@@ -41,6 +42,11 @@ def both_open(record: dict) -> list[int]:
     return [i for i, acc in enumerate(record["forced"]["warm start"]["direct"]) if acc >= 0.5]
 
 
+def only_delegation(record: dict) -> list[int]:
+    """Indices of the other sizes: only delegation fits the context there."""
+    return [i for i in range(len(record["sizes"])) if i not in both_open(record)]
+
+
 def mean_at(runs: list[dict], field, indices_of) -> float:
     return statistics.fmean(statistics.fmean(field(r)[i] for i in indices_of(r)) for r in runs)
 
@@ -59,10 +65,10 @@ def passes(runs: list[dict], key: str, bound: float) -> int:
     return sum(r[key][0] > bound for r in runs)
 
 
-def follows_oracle(record: dict, oracle_key: str = "oracle_rl") -> tuple[int, int]:
+def follows_oracle(record: dict) -> tuple[int, int]:
     """(sizes where the RL policy's P(delegate) is on the oracle's side: >= 0.8 where
     delegating is better, <= 0.2 where direct is, sizes with an oracle that is not a tie)."""
-    pairs = [(p, o) for p, o in zip(record["p_delegate"]["RL"], record[oracle_key]) if o != "tie"]
+    pairs = [(p, o) for p, o in zip(record["p_delegate"]["RL"], record["oracle_rl"]) if o != "tie"]
     return sum((p >= 0.8) if o == "delegate" else (p <= 0.2) for p, o in pairs), len(pairs)
 
 
@@ -90,11 +96,7 @@ def readme_table(records: list[dict]) -> str:
         if credit != "broadcast":
             continue
         small = [mean_at(runs, lambda r, p=p: r["p_delegate"][p], both_open) for p in POLICIES]
-        large = mean_at(
-            runs,
-            lambda r: r["p_delegate"]["RL"],
-            lambda r: [i for i in range(len(r["sizes"])) if i not in both_open(r)],
-        )
+        large = mean_at(runs, lambda r: r["p_delegate"]["RL"], only_delegation)
         followed = [follows_oracle(r) for r in runs]
         rows.append(
             [
@@ -163,11 +165,11 @@ def width_table(records: list[dict]) -> str:
     for (name, credit), runs in by_setting(records).items():
         if credit != "broadcast":
             continue
-        only = lambda r: [i for i in range(len(r["sizes"])) if i not in both_open(r)]  # noqa: E731
-        per_seed = [statistics.fmean(r["clones_per_call"]["RL"][i] for i in only(r)) for r in runs]
-        start = [
-            statistics.fmean(r["clones_per_call"]["warm start"][i] for i in only(r)) for r in runs
-        ]
+        def clones(policy: str) -> list[float]:
+            return [statistics.fmean(r["clones_per_call"][policy][i] for i in only_delegation(r))
+                    for r in runs]
+
+        per_seed, start = clones("RL"), clones("warm start")
         rows.append(
             [
                 cost_label(runs[0]),
