@@ -16,7 +16,8 @@ import selfcest
 PACKAGE = Path(selfcest.__file__).parent
 
 LAYERS = [
-    {"configure", "budget", "tree", "protocol", "task", "tasks", "modeling", "templates"},
+    {"configure", "budget", "tree", "protocol", "task", "tasks", "modeling", "templates",
+     "machine"},
     {"rollout", "rewards", "algo"},
     {"policy"},
     {"train", "eval"},

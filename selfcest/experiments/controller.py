@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from selfcest import machine
 from selfcest.cli import register_schemas
 from selfcest.configure import hydra_app
 from selfcest.eval.decisions import (
@@ -222,6 +223,7 @@ def summarize(config: TrainConfig, decisions: dict[str, list[Decision]],
         "final_train_reward": statistics.fmean(h["reward/mean"] for h in history[-4:]) if history
         else None,
         "training_rate": training_rates(history, trained),
+        "machine": machine.describe(),
     }
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from selfcest import machine
 from selfcest.experiments.report import training_curves
 from selfcest.templates import environment
 from selfcest.train.config import TrainConfig
@@ -123,7 +124,8 @@ def write_controller_report(out: Path, config: TrainConfig, summary: dict,
                                              out / "training_rate.png").name,
     }
     text = _ENVIRONMENT.get_template("controller_report.md.j2").render(
-        config=config, summary=summary, plots=plots)
+        config=config, summary=summary, plots=plots,
+        machine=machine.one_line(summary["machine"]) if "machine" in summary else "not recorded")
     report = out / "report.md"
     report.write_text(text)
     return report

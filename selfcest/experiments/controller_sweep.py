@@ -22,6 +22,7 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
+from selfcest import machine
 from selfcest.cli import register_schemas
 from selfcest.configure import hydra_app, require, setting
 from selfcest.experiments.common import compose, say
@@ -148,7 +149,9 @@ def write_summary(out: Path, config: SweepConfig) -> Path:
     records_file.write_text(json.dumps(records, indent=1) + "\n")
     text = environment(html=False).get_template("controller_sweep.md.j2").render(
         config=config, results=results, rate=rate, branching=branching, plots=plots,
-        fmean=statistics.fmean, settings=setting_rows(records))
+        fmean=statistics.fmean, settings=setting_rows(records),
+        machines=sorted({machine.one_line(run["machine"]) for runs in results.values()
+                         for run in runs if "machine" in run}))
     path = out / "summary.md"
     path.write_text(text)
     return path

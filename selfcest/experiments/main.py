@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from selfcest import machine
+
 JOBS = {
     "cpu_repro": (["-m", "selfcest.experiments.cpu_repro"], Path("runs/cpu_repro")),
     "controller": (["-m", "selfcest.experiments.controller_sweep", "--config-name",
@@ -39,6 +41,7 @@ def _echo(name: str, process: subprocess.Popen, log: Path) -> None:
 def main() -> int:
     """Start every job, echo their output, wait; the exit code is the first failure's (0)."""
     start = time.perf_counter()
+    print(f"machine: {machine.one_line(machine.describe())}", flush=True)
     running = []
     for name, (args, folder) in JOBS.items():
         folder.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from selfcest import machine
 from selfcest.eval.evaluate import task_correctness
 from selfcest.eval.pareto import compare_frontiers
 from selfcest.eval.results import EvalResults
@@ -87,7 +88,7 @@ def write_repro_report(out: Path, config: TrainConfig, twin: TrainConfig, settin
         against_start=_against_start(results, eval_dir, budget),
         dominance=_dominance(results, sc), leads=_leads(results, eval_dir, sc),
         examples=_examples(config, results, eval_dir, budget),
-        verdict=rl_verdict,
+        verdict=rl_verdict, machine=machine.one_line(machine.describe()),
         evaluation=(eval_dir / "results.md").read_text().replace("# Evaluation", "", 1).strip(),
     )
     report = out / "report.md"

@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
+import torch
 
 from selfcest.configure import validate
 from selfcest.eval.decisions import sample_trees
@@ -146,6 +147,9 @@ def test_quick_controller_run_measures_every_mode_and_reports(tmp_path, monkeypa
     assert set(summary["training_rate"]) == {2, 5} and len(summary["training_rate"][2]) == 3
     report = (tmp_path / "report.md").read_text()
     assert "## Before RL: the forced styles of the warm start" in report and "## Verdicts" in report
+    # The machine it ran on, as RL ran it (trainer.cpu_threads: 1).
+    assert saved["machine"]["threads"] == 1 and "1 thread(s)" in report
+    assert f"on {torch.backends.cpu.get_cpu_capability()} kernels" in report
     for name in ("delegation_rate.png", "branching.png", "training_curve.png", "training_rate.png",
                  "rl/policy/config.json", "sft/decision_trees.jsonl"):
         assert (tmp_path / name).stat().st_size > 0, name

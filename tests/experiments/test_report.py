@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from selfcest.eval.report import markdown_report
 from selfcest.eval.results import CellResult, EvalResults
@@ -119,11 +120,18 @@ def test_report_has_every_section_in_order(report):
     assert text.startswith("# CPU reproduction: cpu_repro_quick\n\nDoes a small model trained end "
                            "to end")
     titles = [line for line in text.splitlines() if line.startswith("## ")]
-    assert titles == ["## Setup", "## Wall time", "## Findings", "## Evidence",
+    assert titles == ["## Setup", "## Machine", "## Wall time", "## Findings", "## Evidence",
                       "## Full evaluation",
                       # results.md, its title dropped
                       "## Accuracy and cost", "## Diagnostics", "## Frontier dominance"]
     assert text.endswith("\n")
+
+
+def test_the_machine_is_named(report):
+    """A long warm start is another draw on another CPU's rounding: the report says whose."""
+    line = section(report[0], "Machine").strip().splitlines()[0]
+    assert f"torch {torch.__version__} on {torch.backends.cpu.get_cpu_capability()} kernels" in line
+    assert "thread(s)" in line and "commit " in line
 
 
 def test_setup_states_model_task_budgets_and_training(report):
