@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ def test_the_record_names_the_kernels_threads_and_commit_a_process_really_ran_wi
     this process's defaults."""
     code = ("import json, torch; torch.set_num_threads(1); "
             "from selfcest import machine; print(json.dumps(machine.describe()))")
-    env = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "PATH": "/usr/bin:/bin"}
+    env = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE",
+           "PATH": os.environ.get("PATH", "")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout
     record = json.loads(out)
