@@ -223,7 +223,6 @@ def summarize(config: TrainConfig, decisions: dict[str, list[Decision]],
         "final_train_reward": statistics.fmean(h["reward/mean"] for h in history[-4:]) if history
         else None,
         "training_rate": training_rates(history, trained),
-        "machine": machine.describe(),
     }
 
 
@@ -337,14 +336,15 @@ def run(config: TrainConfig, log=say) -> dict:
             file.writelines(json.dumps({"policy": name, **asdict(d)}) + "\n"
                             for name, rows in decisions.items() for d in rows)
 
-    return write_results(config, out, decisions, history, timings, log)
+    return write_results(config, out, decisions, history, timings, machine.describe(), log)
 
 
 def write_results(config: TrainConfig, out: Path, decisions: dict[str, list[Decision]],
-                  history: list[dict],
-                  timings: dict[str, float], log=say) -> dict:
-    """``results.json`` (the summary and its `record`) and ``report.md``; returns the summary."""
-    summary = {**summarize(config, decisions, history), "timings": timings}
+                  history: list[dict], timings: dict[str, float], ran_on: dict | None,
+                  log=say) -> dict:
+    """``results.json`` (the summary and its `record`) and ``report.md``; returns the summary.
+    ``timings`` and ``ran_on`` (`selfcest.machine.describe`) are the run's own."""
+    summary = {**summarize(config, decisions, history), "timings": timings, "machine": ran_on}
     summary["record"] = record(summary)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     report = write_controller_report(out, config, summary, history)
@@ -354,16 +354,16 @@ def write_results(config: TrainConfig, out: Path, decisions: dict[str, list[Deci
 
 def refresh(config: TrainConfig, log=say) -> dict:
     """Summarize a finished run again from what it saved (``decisions.jsonl``, the RL arm's
-    ``metrics.jsonl``, the timings of ``results.json``), with this version's summary and
-    report: nothing is sampled or trained."""
+    ``metrics.jsonl``, the timings and machine of ``results.json``), with this version's
+    summary and report: nothing is sampled or trained."""
     out = Path(config.trainer.output_dir)
     decisions: dict[str, list[Decision]] = {name: [] for name in POLICIES}
     for line in (out / "decisions.jsonl").read_text().splitlines():
         row = json.loads(line)
         decisions[row.pop("policy")].append(Decision(**row))
-    timings = json.loads((out / "results.json").read_text())["timings"]
+    saved = json.loads((out / "results.json").read_text())
     return write_results(config, out, decisions, read_metrics(out / "rl" / "metrics.jsonl"),
-                         timings, log)
+                         saved["timings"], saved.get("machine"), log)
 
 
 def main() -> None:

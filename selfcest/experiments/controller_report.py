@@ -125,7 +125,7 @@ def write_controller_report(out: Path, config: TrainConfig, summary: dict,
     }
     text = _ENVIRONMENT.get_template("controller_report.md.j2").render(
         config=config, summary=summary, plots=plots,
-        machine=machine.one_line(summary["machine"]) if "machine" in summary else "not recorded")
+        machine=machine.one_line(summary["machine"]) if summary.get("machine") else "not recorded")
     report = out / "report.md"
     report.write_text(text)
     return report

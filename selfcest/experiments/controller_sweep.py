@@ -151,7 +151,7 @@ def write_summary(out: Path, config: SweepConfig) -> Path:
         config=config, results=results, rate=rate, branching=branching, plots=plots,
         fmean=statistics.fmean, settings=setting_rows(records),
         machines=sorted({machine.one_line(run["machine"]) for runs in results.values()
-                         for run in runs if "machine" in run}))
+                         for run in runs if run.get("machine")}))
     path = out / "summary.md"
     path.write_text(text)
     return path

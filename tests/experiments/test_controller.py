@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from selfcest import machine
 from selfcest.configure import validate
 from selfcest.eval.decisions import sample_trees
 from selfcest.experiments import controller, controller_sweep
@@ -153,9 +154,12 @@ def test_quick_controller_run_measures_every_mode_and_reports(tmp_path, monkeypa
     for name in ("delegation_rate.png", "branching.png", "training_curve.png", "training_rate.png",
                  "rl/policy/config.json", "sft/decision_trees.jsonl"):
         assert (tmp_path / name).stat().st_size > 0, name
-    # Summarizing the finished run again from what it saved gives the same summary.
+    # Summarizing the finished run again from what it saved gives the same summary, and names
+    # the machine the run came from, not the one summarizing it.
     (tmp_path / "report.md").unlink()
-    refreshed = refresh(config, log=lambda message: None)
+    with monkeypatch.context() as patch:
+        patch.setattr(machine, "describe", lambda: {"cpu": "the summarizing machine"})
+        refreshed = refresh(config, log=lambda message: None)
     assert json.loads(json.dumps(refreshed)) == saved and (tmp_path / "report.md").exists()
     # A second setting of the seed re-scores the warm start's trees instead of sampling them.
     again = compose("controller_quick",
