@@ -9,7 +9,7 @@ import shutil
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from selfcest.cli import register_schemas
@@ -124,32 +124,84 @@ def timed(timings: dict[str, float], phase: str, log=say):
 
 def warm_start_folder(config: TrainConfig, folder: Path, log=say, score=None) -> Path:
     """The warm-start policy saved in ``folder``: trained by SFT from a fresh model (validated
-    by ``score`` if given, `selfcest.train.sft.train_sft`), copied from ``warm_start.policy``
-    when that names an earlier one (with its ``sft.jsonl``), or, under
-    ``trainer.resume=true``, the one an earlier run finished in ``folder``."""
+    by ``score`` if given, `validated_sft`), copied from ``warm_start.policy`` when that names
+    an earlier one (with its ``sft.jsonl``), or, under ``trainer.resume=true``, the one an
+    earlier run finished in ``folder``."""
     warm_started = config.warm_start.policy
     # sft.jsonl is written last: with it the folder holds a finished warm start.
     if warm_started is None and resuming(config) and (folder / "sft.jsonl").exists():
         log(f"reusing the warm start in {folder}")
     elif warm_started is None:
-        policy = build_policy(config)
-        steps = config.warm_start.sft.steps
-
-        def progress(step: int, metrics: dict) -> None:
-            if "sft/validation" in metrics:
-                log(f"warm start: SFT step {step}/{steps}, validation "
-                    f"{metrics['sft/validation']:.3f}")
-            elif step % max(1, steps // 10) == 0 or step == steps:
-                log(f"warm start: SFT step {step}/{steps}, loss {metrics['sft/loss']:.3f}")
-
-        history = warm_start(policy, config, held_out_tasks(config), log=progress, score=score)
+        policy, history = validated_sft(config, log, score)
         policy.save_pretrained(folder)
         with open(folder / "sft.jsonl", "w") as sft_log:
-            sft_log.writelines(json.dumps({"step": n, **m}) + "\n"
-                               for n, m in enumerate(history, 1))
+            sft_log.writelines(json.dumps(line) + "\n" for line in history)
     elif Path(warm_started).resolve() != folder.resolve():
         shutil.copytree(warm_started, folder, dirs_exist_ok=True)
     return folder
+
+
+def validated_sft(config: TrainConfig, log=say, score=None) -> tuple[ClonePolicy, list[dict]]:
+    """SFT from a fresh model, and from another fresh one (`restart_config`) while no
+    validation has reached ``sft.validation_target``, up to ``warm_start.restarts`` times.
+    Returns the best-scoring policy of all attempts and every step's metrics, each with its
+    ``attempt`` and ``step`` (within the attempt)."""
+    section = config.warm_start
+    steps, target = section.sft.steps, section.sft.validation_target
+    best: tuple[float, ClonePolicy] | None = None
+    history: list[dict] = []
+    for attempt in range(section.restarts + 1):
+        def progress(step: int, metrics: dict) -> None:
+            where = f"SFT step {step}/{steps}" + (f" (restart {attempt})" if attempt else "")
+            if "sft/validation" in metrics:
+                log(f"warm start: {where}, validation {metrics['sft/validation']:.3f}")
+            elif step % max(1, steps // 10) == 0 or step == steps:
+                log(f"warm start: {where}, loss {metrics['sft/loss']:.3f}")
+
+        trial = restart_config(config, attempt)
+        policy = build_policy(trial)
+        metrics = warm_start(policy, trial, held_out_tasks(config), log=progress, score=score)
+        history += [{"attempt": attempt, "step": n, **m} for n, m in enumerate(metrics, 1)]
+        value = max((m["sft/validation"] for m in metrics if "sft/validation" in m),
+                    default=None)
+        if value is None:  # no validation: the one attempt is the warm start
+            return policy, history
+        if best is None or value > best[0]:
+            best = (value, policy)
+        if best[0] >= target:
+            break
+        if attempt < section.restarts:
+            log(f"warm start: best validation {value:.3f} < target {target}: SFT again from "
+                f"a fresh model (restart {attempt + 1} of {section.restarts})")
+    return best[1], history
+
+
+def kept_checkpoint(folder: Path) -> dict | None:
+    """The checkpoint a validated warm start in ``folder`` kept, read from its ``sft.jsonl``:
+    its ``attempt``, ``step`` and ``validation`` (the first best score, as `train_sft` and
+    `validated_sft` keep it) and the ``attempts`` SFT made. None without validations."""
+    path = folder / "sft.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    scored = [line for line in lines if "sft/validation" in line]
+    if not scored:
+        return None
+    best = max(scored, key=lambda line: line["sft/validation"])  # max keeps the first best
+    return {"attempt": best.get("attempt", 0), "step": best["step"],
+            "validation": best["sft/validation"],
+            "attempts": 1 + max(line.get("attempt", 0) for line in lines)}
+
+
+def restart_config(config: TrainConfig, attempt: int) -> TrainConfig:
+    """The config of SFT attempt ``attempt`` (0: ``config`` itself): another model init
+    (``model.init_seed + 1000 attempt``, far from the seeds other runs use) and another
+    sequence order (``sft.seed + attempt``)."""
+    if not attempt:
+        return config
+    section = config.warm_start
+    return replace(config,
+                   model=replace(config.model, init_seed=config.model.init_seed + 1000 * attempt),
+                   warm_start=replace(section, sft=replace(section.sft,
+                                                           seed=section.sft.seed + attempt)))
 
 
 def resuming(config: TrainConfig) -> bool:

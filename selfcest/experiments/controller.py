@@ -36,7 +36,14 @@ from selfcest.eval.decisions import (
     sample_trees,
     score_decisions,
 )
-from selfcest.experiments.common import load_policy, say, timed, train_arm, warm_start_folder
+from selfcest.experiments.common import (
+    kept_checkpoint,
+    load_policy,
+    say,
+    timed,
+    train_arm,
+    warm_start_folder,
+)
 from selfcest.experiments.controller_report import write_controller_report
 from selfcest.policy import ClonePolicy
 from selfcest.rollout.backends.base import SamplingParams
@@ -344,7 +351,8 @@ def write_results(config: TrainConfig, out: Path, decisions: dict[str, list[Deci
                   log=say) -> dict:
     """``results.json`` (the summary and its `record`) and ``report.md``; returns the summary.
     ``timings`` and ``ran_on`` (`selfcest.machine.describe`) are the run's own."""
-    summary = {**summarize(config, decisions, history), "timings": timings, "machine": ran_on}
+    summary = {**summarize(config, decisions, history), "timings": timings, "machine": ran_on,
+               "warm_start": kept_checkpoint(out / "sft")}
     summary["record"] = record(summary)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     report = write_controller_report(out, config, summary, history)

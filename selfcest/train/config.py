@@ -368,6 +368,12 @@ class WarmStartConfig:
         "never demonstrated and never held out (0: no validation): the controller takes this "
         "many per size of the warm-start source's test split, the CPU reproduction this many "
         "of the task's training split, each arm on its view"))
+    restarts: int = setting(0, help=(
+        "times SFT starts again from a fresh model (init seed model.init_seed + 1000 k, "
+        "sequence-order seed sft.seed + k for restart k) when no validation of the attempts "
+        "so far reached sft.validation_target; the best-scoring checkpoint of all attempts is "
+        "kept. SFT is chaotic: one init can miss the target on one machine's rounding and not "
+        "on another's, and a fresh draw usually meets it (docs/controller.md)"))
     policy: str | None = setting(None, help=(
         "a policy folder an earlier warm start saved (selfcest-sft's <output_dir>/sft) to "
         "start from instead of running this one"))
@@ -383,6 +389,10 @@ class WarmStartConfig:
                 f"must be a saved policy folder; got {self.policy!r}")
         require(self.validation_tasks >= 0, "validation_tasks",
                 f"must be >= 0; got {self.validation_tasks}")
+        require(self.restarts >= 0, "restarts", f"must be >= 0; got {self.restarts}")
+        require(not self.restarts or (self.validation_tasks and self.sft.validate_every),
+                "restarts", "restarts only when no validation met the target: set "
+                "warm_start.validation_tasks and warm_start.sft.validate_every, or restarts=0")
 
 
 @dataclass

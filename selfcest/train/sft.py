@@ -61,7 +61,7 @@ class SFTConfig:
         "reaches validation_target, so every machine ends at a checkpoint of similar skill "
         "rather than wherever its float rounding led the last step"))
     validation_target: float = setting(1.0, help="a validation score that ends training early "
-                                                 "(1.0: never ends early)")
+                                                 "(1.0: only a perfect score does)")
 
     def __post_init__(self) -> None:
         self.check()

@@ -144,10 +144,17 @@ def test_quick_controller_run_measures_every_mode_and_reports(tmp_path, monkeypa
     assert set(saved["record"]["oracle"]) <= {"direct", "delegate", "tie"}
     # The warm start was validated, and the training steps logged P(delegate) per size.
     sft = [json.loads(line) for line in (tmp_path / "sft" / "sft.jsonl").read_text().splitlines()]
-    assert any("sft/validation" in step for step in sft)
+    scores = {step["step"]: step["sft/validation"] for step in sft if "sft/validation" in step}
+    assert list(scores) == [100, 200]
+    best = max(scores.values())
+    kept = min(step for step, score in scores.items() if score == best)  # train_sft keeps the first
+    assert saved["warm_start"] == {"attempt": 0, "attempts": 1, "step": kept, "validation": best}
     assert set(summary["training_rate"]) == {2, 5} and len(summary["training_rate"][2]) == 3
     report = (tmp_path / "report.md").read_text()
     assert "## Before RL: the forced styles of the warm start" in report and "## Verdicts" in report
+    met = saved["warm_start"]["validation"] >= config.warm_start.sft.validation_target
+    assert f"Warm start kept: step {saved['warm_start']['step']} of attempt 1 (1 made)" in report
+    assert ("target met" in report) == met and ("**target missed**" in report) == (not met)
     # The machine it ran on, as RL ran it (trainer.cpu_threads: 1).
     assert saved["machine"]["threads"] == 1 and "1 thread(s)" in report
     assert f"on {torch.backends.cpu.get_cpu_capability()} kernels" in report
