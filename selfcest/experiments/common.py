@@ -148,6 +148,7 @@ def validated_sft(config: TrainConfig, log=say, score=None) -> tuple[ClonePolicy
     ``attempt`` and ``step`` (within the attempt)."""
     section = config.warm_start
     steps, target = section.sft.steps, section.sft.validation_target
+    exclude = held_out_tasks(config)
     best: tuple[float, ClonePolicy] | None = None
     history: list[dict] = []
     for attempt in range(section.restarts + 1):
@@ -160,7 +161,7 @@ def validated_sft(config: TrainConfig, log=say, score=None) -> tuple[ClonePolicy
 
         trial = restart_config(config, attempt)
         policy = build_policy(trial)
-        metrics = warm_start(policy, trial, held_out_tasks(config), log=progress, score=score)
+        metrics = warm_start(policy, trial, exclude, log=progress, score=score)
         history += [{"attempt": attempt, "step": n, **m} for n, m in enumerate(metrics, 1)]
         value = max((m["sft/validation"] for m in metrics if "sft/validation" in m),
                     default=None)
