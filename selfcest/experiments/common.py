@@ -22,9 +22,12 @@ from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.registry import BackendSettings
 from selfcest.task import Task
 from selfcest.train.checkpoint import (
+    BEST_DIR,
+    EVALUATIONS,
     RESUME_LATEST,
     RESUME_OFF,
     config_changes,
+    read_best,
     resolve_resume,
     saved_config,
 )
@@ -80,10 +83,12 @@ def load_policy(config: TrainConfig, folder: Path) -> ClonePolicy:
     return serving(config, ClonePolicy.from_pretrained(folder, device=default_device()))
 
 
-def train_arm(config: TrainConfig, start: Path, output: Path, view=None,
-              log=say) -> tuple[ClonePolicy, list[dict]]:
+def train_arm(config: TrainConfig, start: Path, output: Path, view=None, log=say,
+              eval_tasks: list[Task] | None = None) -> tuple[ClonePolicy, list[dict]]:
     """GRPO from the warm-start policy saved at ``start``, on the config's tasks seen through
-    ``view`` (None: as they are); the trained policy is saved, and every step's metrics
+    ``view`` (None: as they are), evaluated every ``trainer.eval_every`` steps on
+    ``eval_tasks`` (None: the config's eval split); the trained policy is saved (the best
+    evaluated one under ``trainer.keep_best``), and every step's metrics
     (``output/metrics.jsonl``) returned.
 
     With ``trainer.resume=true`` an arm continues from its latest checkpoint in ``output``: a
@@ -98,11 +103,13 @@ def train_arm(config: TrainConfig, start: Path, output: Path, view=None,
         changed = config_changes(saved_config(checkpoint) or {}, asdict(config))
         differed = f"; its config differed in {', '.join(changed)}" if changed else ""
         log(f"resuming {output} from {checkpoint.name}{differed}")
-    tasks = {}
+    tasks = {} if eval_tasks is None else {"eval_tasks": eval_tasks}
     if view is not None:
         tasks["train_tasks"] = [view(task) for task in load_split(config.task, "train")]
         if config.trainer.eval_every:
-            tasks["eval_tasks"] = [view(task) for task in load_split(config.task, "eval")]
+            tasks["eval_tasks"] = [view(task) for task in
+                                   (eval_tasks if eval_tasks is not None
+                                    else load_split(config.task, "eval"))]
     trainer = build_trainer(config, **tasks)
     try:
         ran = trainer.train()
@@ -190,6 +197,19 @@ def kept_checkpoint(folder: Path) -> dict | None:
     return {"attempt": best.get("attempt", 0), "step": best["step"],
             "validation": best["sft/validation"],
             "attempts": 1 + max(line.get("attempt", 0) for line in lines)}
+
+
+def kept_evaluation(folder: Path) -> dict | None:
+    """What ``trainer.keep_best`` kept in the RL arm ``folder``: the ``step`` (0: the starting
+    weights) and ``value`` of its best evaluation, and every evaluation it compared
+    (``evaluations``: step and value). None when the arm kept no best."""
+    best = read_best(folder)
+    if best is None:
+        return None
+    log = folder / BEST_DIR / EVALUATIONS
+    lines = log.read_text().splitlines() if log.exists() else []
+    return {"step": best["step"], "value": best["value"],
+            "evaluations": [json.loads(line) for line in lines]}
 
 
 def restart_config(config: TrainConfig, attempt: int) -> TrainConfig:

@@ -26,7 +26,7 @@ import torch
 
 from selfcest import machine
 from selfcest.cli import register_schemas
-from selfcest.configure import hydra_app
+from selfcest.configure import ConfigError, hydra_app
 from selfcest.eval.decisions import (
     Decision,
     Mode,
@@ -38,6 +38,7 @@ from selfcest.eval.decisions import (
 )
 from selfcest.experiments.common import (
     kept_checkpoint,
+    kept_evaluation,
     load_policy,
     say,
     timed,
@@ -324,6 +325,9 @@ def run(config: TrainConfig, log=say) -> dict:
     A policy's trees do not depend on the cost, so the warm start's are sampled once and kept
     beside it (``sft/decision_trees.jsonl``): every setting of a seed re-scores them.
     """
+    if config.trainer.keep_best and not config.warm_start.validation_tasks:
+        raise ConfigError("trainer.keep_best: the controller keeps RL's best weights by the "
+                          "validation tasks; set warm_start.validation_tasks > 0, or keep_best=''")
     out = Path(config.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if config.trainer.cpu_threads:
@@ -336,7 +340,10 @@ def run(config: TrainConfig, log=say) -> dict:
         before = measure(config, load_policy(config, out / "sft"), tasks,
                          cache=out / "sft" / TREES_FILE)
     with timed(timings, "RL", log):
-        trained, history = train_arm(config, out / "sft", out / "rl")
+        # Evaluated (and, under trainer.keep_best, kept) on the validation tasks: never on
+        # the held-out ones this run reports.
+        trained, history = train_arm(config, out / "sft", out / "rl",
+                                     eval_tasks=validation_tasks(config))
     with timed(timings, "forced styles after RL", log):
         decisions = {"warm start": before, "RL": measure(config, trained, tasks)}
         with open(out / "decisions.jsonl", "w") as file:
@@ -352,7 +359,7 @@ def write_results(config: TrainConfig, out: Path, decisions: dict[str, list[Deci
     """``results.json`` (the summary and its `record`) and ``report.md``; returns the summary.
     ``timings`` and ``ran_on`` (`selfcest.machine.describe`) are the run's own."""
     summary = {**summarize(config, decisions, history), "timings": timings, "machine": ran_on,
-               "warm_start": kept_checkpoint(out / "sft")}
+               "warm_start": kept_checkpoint(out / "sft"), "rl_kept": kept_evaluation(out / "rl")}
     summary["record"] = record(summary)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     report = write_controller_report(out, config, summary, history)

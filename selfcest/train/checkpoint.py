@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
+BEST_DIR = "best"  # trainer.keep_best's checkpoint, under the output folder
+BEST_RECORD = "best.json"
+EVALUATIONS = "evaluations.jsonl"  # every evaluation keep_best compared, beside the best
 _STEP_FOLDER = re.compile(r"step_\d{6}")
 # Keys a resumed run may change without asking: where it writes and how often it saves,
 # its loggers and the evaluation experiments run afterwards; none changes what is trained.
@@ -99,7 +102,7 @@ def save_checkpoint(
     root: str | Path,
     state: TrainerState,
     model,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     scheduler,
     rank: int = 0,
     world_size: int = 1,
@@ -108,8 +111,10 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint for ``state.step``; every rank calls this (rank 0 writes the model).
 
-    ``model`` is the training model (sharded or not), ``optimizer`` its optimizer, ``config``
-    the run's config as JSON-ready data. A save that fails (a full disk, an unwritable
+    ``model`` is the training model (sharded or not), ``optimizer`` its optimizer (None:
+    weights only, which no resume can start from; reading an optimizer's state before its
+    first step would create it, moving that step), ``config`` the run's config as JSON-ready
+    data. A save that fails (a full disk, an unwritable
     folder) leaves no partial folder and raises `CheckpointError` naming the cause and the
     checkpoint still there.
 
@@ -136,8 +141,9 @@ def save_checkpoint(
         # weights stay where they are: a LoRA checkpoint moves the adapters only).
         whole = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         weights = get_model_state_dict(model, options=whole)
-        optimizer_state = get_optimizer_state_dict(model, _torch_optimizer(optimizer),
-                                                   options=whole)
+        optimizer_state = (None if optimizer is None else
+                           get_optimizer_state_dict(model, _torch_optimizer(optimizer),
+                                                    options=whole))
 
         def write() -> None:
             torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
@@ -145,8 +151,9 @@ def save_checkpoint(
                 trainable = trainable_names(model)
                 save_file({k: v.contiguous() for k, v in weights.items() if k in trainable},
                           tmp / "model.safetensors")
-                torch.save(optimizer_state, tmp / "optimizer.pt")
-                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+                if optimizer_state is not None:
+                    torch.save(optimizer_state, tmp / "optimizer.pt")
+                    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
                 state_json = {**asdict(state), "world_size": world_size}
                 (tmp / "state.json").write_text(json.dumps(state_json, indent=2))
                 if config is not None:
@@ -223,6 +230,38 @@ def checkpoint_problem(folder: str | Path) -> str | None:
         if _sha256(path) != expected["sha256"]:
             return f"{name} does not match its SHA-256 (altered or damaged)"
     return None
+
+
+def save_best(root: str | Path, state: TrainerState, model, value: float, rank: int = 0,
+              world_size: int = 1, config: dict | None = None) -> Path:
+    """Save new best weights (``trainer.keep_best``) as a weights-only checkpoint under
+    ``root/best``, then record it in ``best.json`` and remove the best before it; every rank
+    calls this. A crash in between leaves the earlier best recorded and whole."""
+    best_root = Path(root) / BEST_DIR
+    folder = save_checkpoint(best_root, state, model, None, None, rank=rank,
+                             world_size=world_size, keep=len(list_checkpoints(best_root)) + 1,
+                             config=config)
+    if rank == 0:
+        record = best_root / BEST_RECORD
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": state.step, "value": value,
+                                   "checkpoint": folder.name}))
+        tmp.replace(record)
+        for old in list_checkpoints(best_root):
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def read_best(root: str | Path) -> dict | None:
+    """The best a run saved (`save_best`): its ``step``, ``value`` and ``folder``; None when
+    there is none."""
+    record = Path(root) / BEST_DIR / BEST_RECORD
+    if not record.exists():
+        return None
+    best = json.loads(record.read_text())
+    folder = Path(root) / BEST_DIR / CHECKPOINT_DIR / best.pop("checkpoint")
+    return {**best, "folder": folder} if folder.is_dir() else None
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -340,8 +379,10 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def load_checkpoint(folder: str | Path, model, optimizer, scheduler, rank: int = 0) -> TrainerState:
-    """Restore parameters, optimizer, scheduler and this rank's RNG states; return the state.
+def load_checkpoint(folder: str | Path, model, optimizer=None, scheduler=None,
+                    rank: int = 0) -> TrainerState:
+    """Restore parameters and, given ``optimizer`` and ``scheduler`` (a resume), their states
+    and this rank's RNG states; return the state. Without them only the weights are loaded.
 
     Every rank calls this; under several processes only rank 0 reads the weights and the
     optimizer state, and sends every process its part (its shard, under FSDP)."""
@@ -350,7 +391,8 @@ def load_checkpoint(folder: str | Path, model, optimizer, scheduler, rank: int =
     weights, optimizer_state, problem = {}, {}, None
     if rank == 0 or not share:
         try:
-            weights, optimizer_state = _read_checkpoint(folder, trainable_names(model))
+            weights, optimizer_state = _read_checkpoint(folder, trainable_names(model),
+                                                        optimizer is not None)
         except Exception as error:  # any failure: relayed to every rank below, then raised
             problem = error
     if share:
@@ -365,18 +407,22 @@ def load_checkpoint(folder: str | Path, model, optimizer, scheduler, rank: int =
     # strict=False: the file holds the trainable parameters only, frozen ones stay as built.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=share, strict=False)
     set_model_state_dict(model, weights, options=options)
-    set_optimizer_state_dict(model, _torch_optimizer(optimizer), optimizer_state, options=options)
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-    rng_file = folder / f"rng_rank{rank}.pt"
-    if rng_file.exists():
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+    if optimizer is not None:
+        set_optimizer_state_dict(model, _torch_optimizer(optimizer), optimizer_state,
+                                 options=options)
+        scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        rng_file = folder / f"rng_rank{rank}.pt"
+        if rng_file.exists():
+            _set_rng_state(torch.load(rng_file, weights_only=True))
     data = json.loads((folder / "state.json").read_text())
     data.pop("world_size", None)
     return TrainerState(**data)
 
 
-def _read_checkpoint(folder: Path, expected: set[str]) -> tuple[dict[str, torch.Tensor], dict]:
-    """The weights and optimizer state of a checkpoint, checked against the model's names."""
+def _read_checkpoint(folder: Path, expected: set[str],
+                     optimizer: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+    """The weights and (with ``optimizer``) optimizer state of a checkpoint, the weights
+    checked against the model's names."""
     weights = load_file(folder / "model.safetensors")
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
@@ -384,7 +430,7 @@ def _read_checkpoint(folder: Path, expected: set[str]) -> tuple[dict[str, torch.
             f"checkpoint {folder} does not match the model: missing {missing[:5]}, "
             f"unexpected {extra[:5]} (was it saved with another model or LoRA setting?)"
         )
-    return weights, torch.load(folder / "optimizer.pt", weights_only=True)
+    return weights, torch.load(folder / "optimizer.pt", weights_only=True) if optimizer else {}
 
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:

@@ -311,6 +311,17 @@ class TrainerConfig:
         "learning rate and its schedule come back with the optimizer and scheduler state: a "
         "changed trainer.lr does not apply"), factory=list)
     eval_every: int = setting(0, help="evaluate on the held-out tasks every N steps (0 = never)")
+    eval_samples: int = setting(0, help=(
+        "trees per evaluation task: 0, one greedy tree; N, N trees sampled as training samples "
+        "(rollout temperature, top-p, top-k), from the same seed at every evaluation. Greedy "
+        "trees hide what sampling does: a policy whose sampled answers got worse can still "
+        "answer every greedy tree right"))
+    keep_best: str = setting("", help=(
+        "an evaluation metric (eval/<key>, e.g. eval/reward/mean) the run keeps the best weights "
+        "by: the starting weights are evaluated before step 1 and then every eval_every steps, "
+        "each new best is saved as a checkpoint in <output_dir>/best, and training ends with "
+        "its weights (the earliest, on ties); the regular checkpoints keep the last weights, so "
+        "a resume trains on from them. Empty: training ends with the last weights"))
     cpu_threads: int = setting(0, help="intra-op CPU threads for torch (0 = torch's default)")
     collective_timeout_s: float = setting(3600.0, help=(
         "how long a process waits in a collective before the run fails (torch.distributed's "
@@ -321,12 +332,15 @@ class TrainerConfig:
         _at_least(self, 1, "steps", "prompts_per_step", "tokens_per_micro_batch",
                   "optimizer_steps_per_step",
                   "keep_checkpoints", "max_nonfinite_updates")
-        _at_least(self, 0, "lr", "save_every", "warmup_steps", "eval_every", "max_grad_norm",
-                  "weight_decay",
-                  "cpu_threads", "pass_overhead_tokens")
+        _at_least(self, 0, "lr", "save_every", "warmup_steps", "eval_every", "eval_samples",
+                  "max_grad_norm", "weight_decay", "cpu_threads", "pass_overhead_tokens")
         _at_least(self, 1, "collective_timeout_s")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
                 f"must be two numbers in [0, 1); got {self.betas}")
+        require(not self.keep_best or (self.keep_best.startswith("eval/") and self.eval_every),
+                "keep_best", f"must name an evaluation metric (eval/<key>) and needs "
+                f"trainer.eval_every > 0; got keep_best={self.keep_best!r}, "
+                f"eval_every={self.eval_every}")
         require(is_number(self.trees_per_prompt) and self.trees_per_prompt >= 2, "trees_per_prompt",
                 "must be >= 2: group-relative advantages need several trees per prompt")
 

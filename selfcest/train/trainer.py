@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import logging
 import math
 import random
@@ -61,9 +62,13 @@ from selfcest.train.batching import (
     split_for_optimizer_steps,
 )
 from selfcest.train.checkpoint import (
+    BEST_DIR,
+    EVALUATIONS,
     TrainerState,
     list_checkpoints,
     load_checkpoint,
+    read_best,
+    save_best,
     save_checkpoint,
 )
 from selfcest.train.config import TrainConfig
@@ -158,6 +163,10 @@ class GRPOTrainer:
         acc = accelerator
         trainer = config.trainer
         self.train_tasks, self.eval_tasks = list(train_tasks), list(eval_tasks)
+        if trainer.keep_best and not self.eval_tasks:
+            raise ConfigError(f"trainer.keep_best={trainer.keep_best!r} keeps the best evaluated "
+                              "weights, and this run has no evaluation tasks: give it some "
+                              "(task.eval_params, eval_tasks=) or set trainer.keep_best=''")
         # A reward that fails on a tree scores it 0, counted; a step whose rewards all fail stops.
         self.reward_fn = (reward_fn if isinstance(reward_fn, GuardedReward)
                           else GuardedReward(reward_fn))
@@ -224,6 +233,9 @@ class GRPOTrainer:
                                     resume_step=self.state.step if resume_from is not None
                                     else None)
         self.resumed_from = resume_from
+        # trainer.keep_best: the best evaluation so far, on disk, so a resumed run compares
+        # against the evaluations made before it stopped too.
+        self.best = read_best(trainer.output_dir) if resume_from is not None else None
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -310,6 +322,8 @@ class GRPOTrainer:
         if self.accelerator.is_main_process and self.config.log.progress:
             progress = tqdm(total=trainer.steps, initial=self.state.step, desc=self.config.name)
         try:
+            if trainer.keep_best and self.state.step == 0:
+                self._keep_if_best(self.evaluate())  # the starting weights may stay the best
             with StopSignals() as signals:
                 while self.state.step < trainer.steps and not self._stop_requested(signals):
                     metrics = self.step()
@@ -323,6 +337,8 @@ class GRPOTrainer:
             # A run resumed at its last step ran nothing: its checkpoint is already there.
             if (trainer.save_final or self.stopped_by) and not saved and history:
                 self.save()
+            if trainer.keep_best and not self.stopped_by:
+                self._end_with_best()
         finally:
             if progress is not None:
                 progress.close()
@@ -381,6 +397,8 @@ class GRPOTrainer:
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         if trainer.eval_every and self.state.step % trainer.eval_every == 0 and self.eval_tasks:
             metrics.update(self.evaluate())
+            if trainer.keep_best:
+                self._keep_if_best(metrics)
         self._log(metrics, trees)
         return metrics
 
@@ -672,13 +690,49 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ evaluation and logs
 
     def evaluate(self, tasks: Sequence[Task] | None = None) -> dict[str, float]:
-        """Greedy rollouts of the held-out tasks: mean reward, accuracy and costs."""
+        """Rollouts of the held-out tasks (one greedy tree each, or ``trainer.eval_samples``
+        sampled as in training): mean reward, accuracy and costs."""
         tasks = list(tasks if tasks is not None else self.eval_tasks)
         local = tasks[self.accelerator.process_index :: self.accelerator.num_processes]
-        engine = self.engine(self.config.trainer.seed, SamplingParams(temperature=0))
-        trees = self._rollout(tasks, 1, engine)
+        samples = self.config.trainer.eval_samples
+        # One seed for every evaluation: the draws are shared, so evaluations differ by weights.
+        engine = self.engine(self.config.trainer.seed,
+                             None if samples else SamplingParams(temperature=0))
+        trees = self._rollout(tasks, samples or 1, engine)
         score_trees(trees, local, self.reward_fn)
         return {f"eval/{k}": v for k, v in self._tree_metrics(trees).items()}
+
+    def _keep_if_best(self, metrics: dict[str, float]) -> None:
+        """Save the current weights (`save_best`) when ``metrics`` holds the best value of
+        ``trainer.keep_best`` so far (strictly: the earliest of equal values stays); every
+        process sees the same gathered metrics, so all agree."""
+        name = self.config.trainer.keep_best
+        if name not in metrics:
+            known = ", ".join(sorted(k for k in metrics if k.startswith("eval/")))
+            raise ConfigError(f"trainer.keep_best={name!r} is not an evaluation metric; this "
+                              f"run's are {known}")
+        value = metrics[name]
+        if self.accelerator.is_main_process:  # every evaluation, for reports; a fresh run anew
+            log = Path(self.config.trainer.output_dir) / BEST_DIR / EVALUATIONS
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "a" if self.state.step else "w") as file:
+                file.write(json.dumps({"step": self.state.step, "value": value}) + "\n")
+        if self.best is not None and not value > self.best["value"]:
+            return
+        acc = self.accelerator
+        folder = save_best(self.config.trainer.output_dir, self.state, self._unwrapped, value,
+                           rank=acc.process_index, world_size=acc.num_processes,
+                           config=asdict(self.config))
+        self.best = {"step": self.state.step, "value": value, "folder": folder}
+
+    def _end_with_best(self) -> None:
+        """Load the best evaluated weights (`trainer.keep_best`) into the model and serve them."""
+        if self.best is None or self.best["step"] == self.state.step:
+            return
+        load_checkpoint(self.best["folder"], self._unwrapped, rank=self.accelerator.process_index)
+        self._publish_weights()
+        logger.info("ending with the weights of step %d (%s %.4f), the best evaluated",
+                    self.best["step"], self.config.trainer.keep_best, self.best["value"])
 
     def _tree_metrics(self, trees: Sequence[CloneTree]) -> dict[str, float]:
         """`tree_metrics` of every tree of every process, averaged; a key a tree does not

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from selfcest import machine
 from selfcest.configure import validate
@@ -150,11 +151,22 @@ def test_quick_controller_run_measures_every_mode_and_reports(tmp_path, monkeypa
     kept = min(step for step, score in scores.items() if score == best)  # train_sft keeps the first
     assert saved["warm_start"] == {"attempt": 0, "attempts": 1, "step": kept, "validation": best}
     assert set(summary["training_rate"]) == {2, 5} and len(summary["training_rate"][2]) == 3
+    # RL ended with its best-evaluated weights (the earliest best, the warm start's included),
+    # and those are what was measured.
+    kept_rl = saved["rl_kept"]
+    values = [e["value"] for e in kept_rl["evaluations"]]
+    assert [e["step"] for e in kept_rl["evaluations"]] == [0, 1, 2, 3]
+    assert kept_rl["step"] == values.index(max(values)) and kept_rl["value"] == max(values)
+    best = tmp_path / "rl" / "best" / "checkpoints" / f"step_{kept_rl['step']:06d}"
+    measured = load_file(tmp_path / "rl" / "policy" / "model.safetensors")
+    assert all(torch.equal(measured[name], value) for name, value in
+               load_file(best / "model.safetensors").items())
     report = (tmp_path / "report.md").read_text()
     assert "## Before RL: the forced styles of the warm start" in report and "## Verdicts" in report
     met = saved["warm_start"]["validation"] >= config.warm_start.sft.validation_target
     assert f"Warm start kept: step {saved['warm_start']['step']} of attempt 1 (1 made)" in report
     assert ("target met" in report) == met and ("**target missed**" in report) == (not met)
+    assert f"RL kept: the weights of step {kept_rl['step']} of 3" in report
     # The machine it ran on, as RL ran it (trainer.cpu_threads: 1).
     assert saved["machine"]["threads"] == 1 and "1 thread(s)" in report
     assert f"on {torch.backends.cpu.get_cpu_capability()} kernels" in report

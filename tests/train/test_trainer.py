@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 import os
 import random
@@ -775,3 +776,108 @@ def test_a_learning_rate_that_blows_up_stops_the_run_without_saving_nan(tmp_path
     for folder in list_checkpoints(tmp_path / "run"):
         assert all(torch.isfinite(t).all()
                    for t in load_file(folder / "model.safetensors").values())
+
+
+def scripted_evaluations(monkeypatch, values: dict[int, float]) -> None:
+    """Every evaluation scores ``values[step]`` (the step the trainer is at): the selection
+    under test, on real training steps."""
+    monkeypatch.setattr(GRPOTrainer, "evaluate",
+                        lambda self, tasks=None: {"eval/reward/mean": values[self.state.step]})
+
+
+def saved_weights(run, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
+
+
+def test_keep_best_ends_with_the_best_evaluated_weights_earliest_on_ties(tmp_path, monkeypatch):
+    """Evaluations 0.5, 0.9, 0.3, 0.9 at steps 0, 2, 4, 6: the run ends with step 2's
+    weights, while its checkpoints keep the last ones for a resume."""
+    scripted_evaluations(monkeypatch, {0: 0.5, 2: 0.9, 4: 0.3, 6: 0.9})
+    config = small_config(tmp_path, steps=6, lr=1e-2, eval_every=2, save_every=2,
+                          keep_checkpoints=3, keep_best="eval/reward/mean")
+    trainer = build_trainer(config)
+    trainer.train()
+    trainer.close()
+    run = tmp_path / "run"
+    final = params_of(trainer.policy.model)
+    kept, last = saved_weights(run, 2), saved_weights(run, 6)
+    assert all(torch.equal(final[name], kept[name]) for name in kept)
+    assert not all(torch.equal(kept[name], last[name]) for name in kept)
+    assert json.loads((run / "best" / "best.json").read_text())["step"] == 2
+    assert [p.name for p in list_checkpoints(run / "best")] == ["step_000002"]
+    evaluations = [json.loads(line) for line in (run / "best" / "evaluations.jsonl").open()]
+    assert [(e["step"], e["value"]) for e in evaluations] == [(0, 0.5), (2, 0.9), (4, 0.3),
+                                                               (6, 0.9)]
+
+
+def test_keep_best_keeps_the_starting_weights_when_no_step_beats_them(tmp_path, monkeypatch):
+    scripted_evaluations(monkeypatch, {0: 0.9, 2: 0.5, 4: 0.9})
+    config = small_config(tmp_path, steps=4, lr=1e-2, eval_every=2,
+                          keep_best="eval/reward/mean")
+    trainer = build_trainer(config)
+    start = params_of(trainer.policy.model)
+    trainer.train()
+    trainer.close()
+    final = params_of(trainer.policy.model)
+    assert all(torch.equal(start[name], final[name]) for name in start)
+
+
+def test_a_resumed_run_keeps_the_best_of_evaluations_made_before_it_stopped(tmp_path,
+                                                                           monkeypatch):
+    scripted_evaluations(monkeypatch, {0: 0.1, 2: 0.9, 4: 0.5})
+
+    def trainer_for(resume=False):
+        return build_trainer(small_config(tmp_path, steps=4, lr=1e-2, eval_every=2,
+                                          save_every=2, keep_checkpoints=3, resume=resume,
+                                          keep_best="eval/reward/mean"))
+
+    first = trainer_for()
+    first._keep_if_best(first.evaluate())  # what train() runs before a crash: this, 2 steps
+    for _ in range(2):
+        first.step()
+    first.save()
+    first.close()
+    resumed = trainer_for(resume=True)
+    resumed.train()
+    resumed.close()
+    kept, final = saved_weights(tmp_path / "run", 2), params_of(resumed.policy.model)
+    assert all(torch.equal(final[name], kept[name]) for name in kept)
+
+
+def test_keep_best_only_selects_the_trained_weights_are_the_same(tmp_path):
+    """Real evaluations (sampled, several per task) and best saves, the starting weights'
+    included, change nothing that training does: the last checkpoint is bitwise the one of a
+    run without them. (Reading a fresh optimizer's state for a checkpoint would create it and
+    move the first update; the best is saved without it.)"""
+
+    def last_weights(folder, **evaluation):
+        config = small_config(tmp_path / folder, steps=3, lr=1e-2, **evaluation)
+        config.task.params["train"] = {"inline": True}
+        trainer = build_trainer(config)
+        trainer.train()
+        trainer.close()
+        return saved_weights(tmp_path / folder / "run", 3)
+
+    plain = last_weights("plain")
+    selected = last_weights("selected", eval_every=1, eval_samples=2,
+                            keep_best="eval/reward/mean")
+    assert all(torch.equal(plain[name], selected[name]) for name in plain)
+    evaluations = (tmp_path / "selected" / "run" / "best" / "evaluations.jsonl").read_text()
+    assert evaluations.count("\n") == 4
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"keep_best": "eval/reward/mean"}, "needs trainer.eval_every > 0"),
+    ({"keep_best": "reward/mean", "eval_every": 2}, "must name an evaluation metric"),
+])
+def test_keep_best_without_evaluations_is_refused_before_any_step(tmp_path, setting, message):
+    with pytest.raises(ConfigError, match=f"keep_best.*{message}"):
+        build_trainer(small_config(tmp_path, steps=2, **setting))
+
+
+def test_keep_best_of_a_metric_evaluations_do_not_report_names_those_they_do(tmp_path):
+    config = small_config(tmp_path, steps=2, eval_every=1, keep_best="eval/no_such_metric")
+    trainer = build_trainer(config)
+    with pytest.raises(ConfigError, match="eval/no_such_metric.*eval/reward/mean"):
+        trainer.train()
+    trainer.close()
