@@ -22,12 +22,11 @@ from selfcest.rollout.backends.base import SamplingParams
 from selfcest.rollout.backends.registry import BackendSettings
 from selfcest.task import Task
 from selfcest.train.checkpoint import (
-    BEST_DIR,
-    EVALUATIONS,
     RESUME_LATEST,
     RESUME_OFF,
     config_changes,
     read_best,
+    read_evaluations,
     resolve_resume,
     saved_config,
 )
@@ -103,13 +102,13 @@ def train_arm(config: TrainConfig, start: Path, output: Path, view=None, log=say
         changed = config_changes(saved_config(checkpoint) or {}, asdict(config))
         differed = f"; its config differed in {', '.join(changed)}" if changed else ""
         log(f"resuming {output} from {checkpoint.name}{differed}")
-    tasks = {} if eval_tasks is None else {"eval_tasks": eval_tasks}
+    tasks = {}
     if view is not None:
         tasks["train_tasks"] = [view(task) for task in load_split(config.task, "train")]
-        if config.trainer.eval_every:
-            tasks["eval_tasks"] = [view(task) for task in
-                                   (eval_tasks if eval_tasks is not None
-                                    else load_split(config.task, "eval"))]
+        if eval_tasks is None and config.trainer.eval_every:
+            eval_tasks = load_split(config.task, "eval")
+    if eval_tasks is not None:
+        tasks["eval_tasks"] = eval_tasks if view is None else [view(t) for t in eval_tasks]
     trainer = build_trainer(config, **tasks)
     try:
         ran = trainer.train()
@@ -206,10 +205,7 @@ def kept_evaluation(folder: Path) -> dict | None:
     best = read_best(folder)
     if best is None:
         return None
-    log = folder / BEST_DIR / EVALUATIONS
-    lines = log.read_text().splitlines() if log.exists() else []
-    return {"step": best["step"], "value": best["value"],
-            "evaluations": [json.loads(line) for line in lines]}
+    return {"step": best["step"], "value": best["value"], "evaluations": read_evaluations(folder)}
 
 
 def restart_config(config: TrainConfig, attempt: int) -> TrainConfig:

@@ -238,6 +238,7 @@ def save_best(root: str | Path, state: TrainerState, model, value: float, rank: 
     ``root/best``, then record it in ``best.json`` and remove the best before it; every rank
     calls this. A crash in between leaves the earlier best recorded and whole."""
     best_root = Path(root) / BEST_DIR
+    # keep: more than there are, so the new best stays whatever its step's place in the order.
     folder = save_checkpoint(best_root, state, model, None, None, rank=rank,
                              world_size=world_size, keep=len(list_checkpoints(best_root)) + 1,
                              config=config)
@@ -251,6 +252,21 @@ def save_best(root: str | Path, state: TrainerState, model, value: float, rank: 
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
     return folder
+
+
+def log_evaluation(root: str | Path, step: int, value: float) -> None:
+    """Append one evaluation keep_best compared to ``root/best/evaluations.jsonl`` (step 0, a
+    fresh run's first, starts the file anew)."""
+    log = Path(root) / BEST_DIR / EVALUATIONS
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a" if step else "w") as file:
+        file.write(json.dumps({"step": step, "value": value}) + "\n")
+
+
+def read_evaluations(root: str | Path) -> list[dict]:
+    """Every evaluation `log_evaluation` recorded under ``root``, in order."""
+    log = Path(root) / BEST_DIR / EVALUATIONS
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
 def read_best(root: str | Path) -> dict | None:

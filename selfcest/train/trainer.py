@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import json
 import logging
 import math
 import random
@@ -62,11 +61,10 @@ from selfcest.train.batching import (
     split_for_optimizer_steps,
 )
 from selfcest.train.checkpoint import (
-    BEST_DIR,
-    EVALUATIONS,
     TrainerState,
     list_checkpoints,
     load_checkpoint,
+    log_evaluation,
     read_best,
     save_best,
     save_checkpoint,
@@ -712,11 +710,8 @@ class GRPOTrainer:
             raise ConfigError(f"trainer.keep_best={name!r} is not an evaluation metric; this "
                               f"run's are {known}")
         value = metrics[name]
-        if self.accelerator.is_main_process:  # every evaluation, for reports; a fresh run anew
-            log = Path(self.config.trainer.output_dir) / BEST_DIR / EVALUATIONS
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with open(log, "a" if self.state.step else "w") as file:
-                file.write(json.dumps({"step": self.state.step, "value": value}) + "\n")
+        if self.accelerator.is_main_process:  # every evaluation, for reports
+            log_evaluation(self.config.trainer.output_dir, self.state.step, value)
         if self.best is not None and not value > self.best["value"]:
             return
         acc = self.accelerator
